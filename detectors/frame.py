@@ -1,0 +1,66 @@
+"""The assembled step: what every detector receives.
+
+The engine (``pipeline/assemble.py``) turns the records of one (job, step)
+into a ``StepFrame``: one row per rank that reported, columns as numpy arrays,
+so a detector works on whole steps at once instead of record by record. Rows
+are sorted by rank. Absent numeric readings are NaN; absent strings are None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["StepFrame", "METRIC_COLUMNS", "COORD_NAMES"]
+
+# Numeric columns of ``StepFrame.m`` (float64, NaN when a rank did not report it).
+METRIC_COLUMNS = (
+    "t",
+    "step_s",
+    "compute_s",
+    "comm_s",
+    "data_s",
+    "loss",
+    "grad_norm",
+    "grad_norm_reduced",
+    "nonfinite",
+    "dropped",
+)
+# Parallel coordinates; peers share every one of them except ``dp``.
+COORD_NAMES = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass(slots=True)
+class StepFrame:
+    """One step of one job, ranks as rows.
+
+    ``group`` numbers the symmetric peer groups (ranks whose coordinates other
+    than dp are equal); detectors compare a rank only with rows of the same
+    group. ``missing`` lists ranks of the world that did not report by the
+    step's deadline: their absence is evidence too.
+    """
+
+    job: str
+    step: int
+    world: int
+    rank: np.ndarray  # int64 (n,)
+    host: np.ndarray  # object (n,)
+    group: np.ndarray  # int64 (n,) peer-group id
+    coords: dict[str, np.ndarray]  # int64 (n,) per name in COORD_NAMES
+    m: dict[str, np.ndarray]  # float64 (n,) per name in METRIC_COLUMNS
+    digest: np.ndarray  # object (n,) param_digest or None
+    collectives: list[list[dict]] | None = None  # per row, the step's collectives
+    checks: list[dict] = field(default_factory=list)  # this step's `check` records
+    gpu: dict[str, np.ndarray] = field(default_factory=dict)  # per-rank GPU readings
+    missing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def n(self) -> int:
+        return int(self.rank.shape[0])
+
+    @property
+    def t(self) -> float:
+        """End of the step: the latest rank's ``t``."""
+        ts = self.m["t"]
+        return float(np.nanmax(ts)) if ts.size and not np.all(np.isnan(ts)) else float("nan")
