@@ -26,6 +26,7 @@ METRIC_COLUMNS = (
     "grad_norm_reduced",
     "nonfinite",
     "dropped",
+    "tokens",
 )
 # Parallel coordinates; peers share every one of them except ``dp``.
 COORD_NAMES = ("dp", "tp", "pp", "cp", "ep")

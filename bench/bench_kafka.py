@@ -1,0 +1,222 @@
+"""Kafka path throughput and detection latency, against the embedded bus, in one run.
+
+Through the real broker (started with ``scripts/kafka up`` when none runs):
+a publisher process sends a synthetic job (``--world`` ranks x ``--steps``
+steps of ``step`` records, one rank a straggler from the middle on) to the
+telemetry topic, ``--batch`` records a message, while one ``serve`` loop
+(``pipeline.service.Service``, in this process) consumes, validates,
+assembles, detects and stores into DuckDB; then again with the topic filled
+first and ``serve`` draining it alone (on two cores the live publisher takes
+one of them). Printed: publish rate, records per second
+consumed+detected+stored (from the first message received to the last one
+processed), median and p90 detection latency per step in the live run (last
+record of the step received -> step detected), and the same records through
+the embedded bus (an in-process queue of record batches into the same
+validate -> engine -> store path) for the ratio. Asserts nothing about time.
+
+    .venv/bin/python bench/bench_kafka.py [--world 2048] [--steps 100] [--batch 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def make_step(world: int, step: int, rng: random.Random, *, job: str, slow_from: int):
+    """One step of every rank; rank world // 3 computes 0.25 s longer from ``slow_from`` on."""
+    out = []
+    slow_rank, t0 = world // 3, 1.7e9
+    slow = step >= slow_from
+    for r in range(world):
+        compute = 0.30 * (1 + rng.gauss(0, 0.02)) + (0.25 if slow and r == slow_rank else 0.0)
+        comm = 0.05 * (1 + rng.gauss(0, 0.05))
+        out.append({
+            "v": 1, "type": "step", "job": job, "rank": r, "step": step, "world": world,
+            "host": f"node{r // 8:04d}", "t": t0 + step * 0.4, "step_s": compute + comm,
+            "compute_s": compute, "comm_s": comm, "data_s": 0.01, "loss": 2.0 + rng.gauss(0, 0.01),
+            "grad_norm": 1.0 + rng.gauss(0, 0.01), "grad_norm_reduced": 1.0,
+            "param_digest": f"{step:016x}",
+        })  # fmt: skip
+    return out
+
+
+def publisher(bus_url: str, job: str, world: int, steps: int, batch: int, seed: int) -> None:
+    """Child process: generate and send the job's records as fast as the broker takes them."""
+    from pipeline.bus_kafka import KafkaBus, encode_records
+
+    bus = KafkaBus(bus_url)
+    rng = random.Random(seed)
+    payloads = []
+    for s in range(steps):
+        recs = make_step(world, s, rng, job=job, slow_from=steps // 2)
+        payloads.extend(encode_records(recs[i : i + batch]) for i in range(0, world, batch))
+    producer = bus.producer(linger_ms=5)
+    print("READY", flush=True)
+    t = time.monotonic()
+    topic = bus.topic("telemetry")
+    for p in payloads:
+        producer.send(topic, key=job.encode(), value=p)
+    producer.flush()
+    dt = time.monotonic() - t
+    producer.close()
+    print(f"PUBLISHED {world * steps} {dt:.3f}", flush=True)
+
+
+def kafka_run(bootstrap: str, args, db: Path, *, backlog: bool = False) -> dict:
+    """``backlog``: the publisher finishes first, then ``serve`` drains the topic alone."""
+    from pipeline.bus_kafka import KafkaBus
+    from pipeline.service import ServeConfig, Service
+
+    prefix = f"bench{int(time.time() * 1000)}"
+    url = f"kafka://{bootstrap}?topic_prefix={prefix}"
+    KafkaBus(url).ensure_topics(partitions=4)
+    cfg = ServeConfig(
+        bus=url, db_path=str(db), group=f"{prefix}-serve", idle_exit_s=3.0,
+        control_secret=b"bench-secret-0123456789", measure_latency=True,
+    )  # fmt: skip
+    service = Service(cfg)
+    pub = subprocess.Popen(
+        [sys.executable, __file__, "--publisher", url, "--world", str(args.world),
+         "--steps", str(args.steps), "--batch", str(args.batch)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    pub.stdout.readline()  # READY: records generated, sending starts now
+    try:
+        if backlog:
+            out, _ = pub.communicate(timeout=120)
+            stats = service.run()
+        else:
+            stats = service.run()
+            out, _ = pub.communicate(timeout=120)
+    finally:
+        KafkaBus(url).delete_topics()
+    published = [line for line in out.splitlines() if line.startswith("PUBLISHED")]
+    n_pub, pub_s = 0, 0.0
+    if published:
+        n_pub, pub_s = int(published[0].split()[1]), float(published[0].split()[2])
+    return {"stats": stats, "published": n_pub, "publish_s": pub_s}
+
+
+def embedded_run(args, db: Path) -> dict:
+    """The same records and the same decode -> engine -> store path, over an in-process queue."""
+    from pipeline.bus_decode import check_fast
+    from pipeline.records import validate_record
+    from pipeline.service import default_engine_factory
+    from pipeline.store import Store
+
+    job = "bench-embedded"
+    rng = random.Random(1)
+    batches = []
+    for s in range(args.steps):
+        recs = make_step(args.world, s, rng, job=job, slow_from=args.steps // 2)
+        batches.extend(recs[i : i + args.batch] for i in range(0, args.world, args.batch))
+    q: queue.Queue = queue.Queue(maxsize=64)
+
+    def produce():
+        for b in batches:
+            q.put(b)
+        q.put(None)
+
+    engine = default_engine_factory()
+    store = Store(db)
+    findings = {}
+    threading.Thread(target=produce, daemon=True).start()
+    t0 = time.monotonic()
+    n = 0
+    while True:
+        b = q.get()
+        if b is None:
+            break
+        good = [r if check_fast(r) else validate_record(r) for r in b]
+        n += len(good)
+        for f in engine.feed(good, time.time()):
+            findings[f.finding_id] = f
+        if findings:
+            store.upsert_findings(findings.values())
+    for f in engine.flush():
+        findings[f.finding_id] = f
+    store.upsert_findings(findings.values())
+    dt = time.monotonic() - t0
+    store.close()
+    return {"records": n, "seconds": dt, "findings": list(findings.values())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=1024, help="records per Kafka message")
+    ap.add_argument("--publisher", metavar="URL", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.publisher:
+        publisher(args.publisher, "bench-kafka", args.world, args.steps, args.batch, seed=1)
+        return 0
+
+    started = False
+    bootstrap = os.environ.get("RANKSCOPE_KAFKA_BOOTSTRAP")
+    if not bootstrap:
+        status = subprocess.run([str(ROOT / "scripts/kafka"), "status"], capture_output=True)
+        if status.returncode != 0:
+            subprocess.run([str(ROOT / "scripts/kafka"), "up"], check=True)
+            started = True
+        bootstrap = (ROOT / ".kafka/bootstrap").read_text().strip()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            k = kafka_run(bootstrap, args, Path(tmp) / "kafka.duckdb")
+            kb = kafka_run(bootstrap, args, Path(tmp) / "backlog.duckdb", backlog=True)
+            e = embedded_run(args, Path(tmp) / "embedded.duckdb")
+            from pipeline.store import Store
+
+            with Store(Path(tmp) / "kafka.duckdb", read_only=True) as st:
+                stored = st.list_findings()
+    finally:
+        if started:
+            subprocess.run([str(ROOT / "scripts/kafka"), "down"], check=False)
+
+    s = k["stats"]
+    total = args.world * args.steps
+    krate = s.records / s.busy_s if s.busy_s > 0 else 0.0
+    erate = e["records"] / e["seconds"] if e["seconds"] > 0 else 0.0
+    lat = sorted(s.step_latency_s)
+    med = statistics.median(lat) if lat else float("nan")
+    p90 = lat[int(0.9 * (len(lat) - 1))] if lat else float("nan")
+    print(f"job: {args.world} ranks x {args.steps} steps = {total:,} step records, "
+          f"{args.batch} records a message")  # fmt: skip
+    if k["publish_s"]:
+        print(f"publish (separate process): {k['published']:,} records in {k['publish_s']:.2f} s "
+              f"= {k['published'] / k['publish_s']:,.0f} records/s")  # fmt: skip
+    print(f"kafka serve, live (publisher running beside it): {s.records:,} records "
+          f"consumed+detected+stored in {s.busy_s:.2f} s = {krate:,.0f} records/s; "
+          f"{s.deadletters} dead letters")  # fmt: skip
+    b = kb["stats"]
+    brate = b.records / b.busy_s if b.busy_s > 0 else 0.0
+    print(f"kafka serve, backlog (topic full, serve alone): {b.records:,} records "
+          f"consumed+detected+stored in {b.busy_s:.2f} s = {brate:,.0f} records/s")  # fmt: skip
+    print(f"detection latency per step (last record received -> detected): "
+          f"median {med * 1000:.0f} ms, p90 {p90 * 1000:.0f} ms over {len(lat)} steps")  # fmt: skip
+    print(f"embedded bus: {e['records']:,} records in {e['seconds']:.2f} s "
+          f"= {erate:,.0f} records/s")  # fmt: skip
+    ratio = krate / erate if erate else float("nan")
+    bratio = brate / erate if erate else float("nan")
+    print(f"kafka / embedded throughput: live {ratio:.2f}, backlog {bratio:.2f}")
+    kinds = sorted({(f["kind"], tuple(f["ranks"])) for f in stored})
+    print(f"findings stored via kafka: {kinds}; via embedded: "
+          f"{sorted({(f.kind, tuple(f.ranks)) for f in e['findings']})}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

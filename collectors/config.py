@@ -1,0 +1,52 @@
+"""The rank collector's settings: one dataclass, defaults in one place only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CollectorConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectorConfig:
+    """How the rank collector behaves inside a training process.
+
+    Every knob trades telemetry fidelity for cost on the training thread or
+    memory; none of them can make the collector block training.
+    """
+
+    beat_interval_s: float = 1.0
+    """Seconds between progress beats (also sent while the training thread is blocked)."""
+    queue_size: int = 4096
+    """Records held for the background sender; when full the oldest are dropped and counted."""
+    batch_max_records: int = 512
+    """At most this many records per ``sink.send`` call."""
+    send_interval_s: float = 0.2
+    """The sender wakes this often (or when half a batch is queued) rather than per
+    record: batching keeps it from taking the GIL from the training thread every step."""
+    flush_interval_s: float = 1.0
+    """The sender calls ``sink.flush()`` at least this often while records flow."""
+    close_timeout_s: float = 5.0
+    """How long ``close()`` waits for the sender to drain before giving up (a stalled sink)."""
+    digest_every_steps: int = 1
+    """Compute ``param_digest`` every this many steps (1 = every step; 0 = never)."""
+    ddp_group_name: str = "dp"
+    """Group name written for the DDP gradient all-reduce collectives."""
+
+    def __post_init__(self) -> None:
+        if not self.beat_interval_s > 0:
+            raise ValueError(f"beat_interval_s must be > 0, got {self.beat_interval_s!r}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size!r}")
+        if self.batch_max_records < 1:
+            raise ValueError(f"batch_max_records must be >= 1, got {self.batch_max_records!r}")
+        if not self.send_interval_s > 0:
+            raise ValueError(f"send_interval_s must be > 0, got {self.send_interval_s!r}")
+        if not self.flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {self.flush_interval_s!r}")
+        if self.close_timeout_s < 0:
+            raise ValueError(f"close_timeout_s must be >= 0, got {self.close_timeout_s!r}")
+        if self.digest_every_steps < 0:
+            raise ValueError(f"digest_every_steps must be >= 0, got {self.digest_every_steps!r}")
+        if not self.ddp_group_name:
+            raise ValueError("ddp_group_name must be a non-empty string")

@@ -1,0 +1,110 @@
+"""What one rank is doing right now, and what its current step has cost so far.
+
+Written by the training thread (module and optimizer hooks), by the DDP
+communication hook and its completion callbacks (comm threads), read by the
+beat thread. Every field is a plain attribute or a list that is only
+appended to, so the GIL makes each access atomic and no lock is taken on the
+training thread.
+
+Time accounting on the training thread (``time.perf_counter``):
+
+* ``data_s``: from the end of the previous step (or attach) to the first
+  forward of this step: the loop waiting for its input.
+* ``comm_s``: time the training thread was inside collectives: inside the
+  DDP communication hook's launch, waiting at the end of backward for the
+  gradient all-reduce to finish, and inside explicit ``torch.distributed``
+  calls.
+* ``compute_s = step_s - data_s - comm_s``: everything else (forward,
+  backward, optimizer). A rank with a slow backward therefore shows a long
+  ``compute_s`` while its peers show a long ``comm_s`` (they wait for it),
+  which is what lets a detector blame the right rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LastCollective", "StepState"]
+
+
+@dataclass(slots=True)
+class LastCollective:
+    """The collective this rank entered last, for beats (hang localization)."""
+
+    group: str
+    seq: int
+    op: str
+    done: bool = False
+
+
+@dataclass(slots=True)
+class StepState:
+    """Accumulators of the step in progress plus the live phase."""
+
+    step: int = 0
+    phase: str = "idle"
+    step_start_perf: float = field(default_factory=time.perf_counter)
+    first_forward_perf: float | None = None
+    comm_s: float = 0.0
+    # DDP buckets of this backward
+    buckets: int = 0
+    buckets_prev_step: int = 0
+    last_launch_exit_perf: float | None = None
+    last_done_perf: float | None = None
+    buckets_done: int = 0
+    local_sq: list[Any] = field(default_factory=list)  # per-bucket squared norms (tensors/floats)
+    reduced_sq: list[Any] = field(default_factory=list)
+    nonfinite: list[Any] = field(default_factory=list)
+    collectives: list[dict] = field(default_factory=list)
+    loss: Any = None
+    tokens: int | None = None  # token ids seen by forward this step (or reported)
+    last_coll: LastCollective | None = None
+    seq: dict[str, int] = field(default_factory=dict)  # per group, never reset
+
+    def next_seq(self, group: str) -> int:
+        n = self.seq.get(group, 0) + 1
+        self.seq[group] = n
+        return n
+
+    def enter_collective(self, op: str, group: str, nbytes: int | None) -> dict:
+        """Record entering a collective; returns its (mutable) collective entry."""
+        seq = self.next_seq(group)
+        entry = {"op": op, "group": group, "seq": seq, "t0": time.time()}
+        if nbytes is not None:
+            entry["bytes"] = nbytes
+        self.collectives.append(entry)
+        self.last_coll = LastCollective(group=group, seq=seq, op=op)
+        return entry
+
+    def finish_collective(self, entry: dict, seconds: float) -> None:
+        entry["s"] = seconds
+        last = self.last_coll
+        if last is not None and last.seq == entry["seq"] and last.group == entry["group"]:
+            last.done = True
+
+    def backward_wait_s(self) -> float:
+        """How long backward waited for the gradient reductions after the last launch."""
+        if self.last_done_perf is None or self.last_launch_exit_perf is None:
+            return 0.0
+        return max(0.0, self.last_done_perf - self.last_launch_exit_perf)
+
+    def reset_for_next_step(self, now_perf: float) -> None:
+        """Start the next step: per-step accumulators cleared, counters kept."""
+        self.step += 1
+        self.step_start_perf = now_perf
+        self.first_forward_perf = None
+        self.comm_s = 0.0
+        if self.buckets:
+            self.buckets_prev_step = self.buckets
+        self.buckets = 0
+        self.last_launch_exit_perf = None
+        self.last_done_perf = None
+        self.buckets_done = 0
+        self.local_sq = []
+        self.reduced_sq = []
+        self.nonfinite = []
+        self.collectives = []
+        self.loss = None
+        self.tokens = None

@@ -1,0 +1,10 @@
+"""rankscope's triage dashboard: a Streamlit app over the DuckDB findings store.
+
+``dashboard.queries`` holds every query (plain parameterized SQL, callable
+without Streamlit), ``dashboard.db`` how the app shares the file with a
+running ``serve``, ``dashboard.charts`` the pictures, and ``dashboard/app.py``
+the thin Streamlit layer started by ``rankscope dashboard``. Nothing else in
+rankscope imports this package.
+"""
+
+__all__ = ["charts", "config", "db", "queries"]

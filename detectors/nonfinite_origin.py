@@ -1,0 +1,176 @@
+"""Non-finite origin: which ranks produced the first NaN/Inf of an incident.
+
+One NaN in one rank's local gradient becomes NaN on every replica after the
+data-parallel all-reduce, and NaN everywhere from then on; blaming every rank
+that shows NaN would blame the victims. So at the first step with any
+non-finite value, blame only the ranks whose LOCAL gradient was non-finite
+(``nonfinite > 0`` or a non-finite ``grad_norm``), and stay quiet for the rest
+of the incident (until a step whose readings are all finite again).
+When no rank's local gradient is non-finite, ranks with a non-finite local
+loss are the origin. A rank that counted zero non-finite elements but whose
+norm is not finite holds a finite, huge value (an exponent bit flip): that is
+silent data corruption, which ``metric_outlier`` reports, so it opens the
+incident quietly; so does a non-finite reduced norm on a minority of ranks
+(``reduced_grad``'s case). When every rank's reduction is non-finite with no
+local origin, or the origins are not a strict minority, it is unattributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from detectors.evidence import num
+from detectors.frame import StepFrame
+from detectors.persistence import usable_ranks
+from detectors.signal import DetectorOutput, Signal
+
+__all__ = ["NonfiniteConfig", "NonfiniteState", "detect"]
+
+NAME = "nonfinite_origin"
+
+
+@dataclass(kw_only=True, slots=True)
+class NonfiniteConfig:
+    """Settings of the non-finite origin detector."""
+
+    # the incident ends after this many consecutive all-finite steps
+    quiet_steps_to_close: int = 1
+
+    def __post_init__(self) -> None:
+        if self.quiet_steps_to_close < 1:
+            raise ValueError("quiet_steps_to_close must be >= 1")
+
+
+class NonfiniteState:
+    """Whether an incident is open, and which ranks report which columns at all.
+
+    JSON has no NaN, so a non-finite norm usually arrives as null, which the
+    frame also uses for "not reported". A NaN counts as a non-finite reading
+    only for a rank that has reported a finite value in that column before
+    (per rank: with pipeline parallelism only the last stage may report loss).
+    """
+
+    __slots__ = ("open", "quiet", "origin_step", "seen")
+
+    def __init__(self, cfg: NonfiniteConfig | None = None) -> None:
+        self.open = False
+        self.quiet = 0
+        self.origin_step = -1
+        self.seen: dict[str, np.ndarray] = {c: np.zeros(0, dtype=bool) for c in _COLUMNS}
+
+    def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
+        """Nothing to learn: the rule has no baseline (``seen`` updates in detect)."""
+
+    def state_dict(self) -> dict:
+        return {
+            "open": self.open,
+            "quiet": self.quiet,
+            "origin_step": self.origin_step,
+            "seen": {c: np.flatnonzero(v).tolist() for c, v in self.seen.items()},
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.open = bool(d.get("open", False))
+        self.quiet = int(d.get("quiet", 0))
+        self.origin_step = int(d.get("origin_step", -1))
+        seen = d.get("seen", {})
+        for c in _COLUMNS:
+            ranks = np.asarray(seen.get(c, []), dtype=np.int64)
+            arr = np.zeros(int(ranks.max()) + 1 if ranks.size else 0, dtype=bool)
+            arr[ranks] = True
+            self.seen[c] = arr
+
+
+_COLUMNS = ("grad_norm", "grad_norm_reduced", "loss")
+
+
+def _nonfinite(frame: StepFrame, state: NonfiniteState, col: str) -> np.ndarray:
+    """Rows whose ``col`` is inf, or NaN on a rank that has reported the column before."""
+    x = frame.m.get(col)
+    if x is None or frame.n == 0:
+        return np.zeros(frame.n, dtype=bool)
+    seen = state.seen[col]
+    ok = usable_ranks(frame.rank)
+    ranks = np.where(ok, frame.rank, 0)
+    top = int(ranks.max()) + 1
+    if seen.shape[0] < top:
+        seen = np.concatenate([seen, np.zeros(top - seen.shape[0], dtype=bool)])
+    finite = np.isfinite(x)
+    state.seen[col] = seen
+    if finite.all():  # the common case: nothing non-finite, every rank reports
+        if not seen[ranks].all():
+            seen[ranks[ok]] = True
+        return np.zeros(frame.n, dtype=bool)
+    was_seen = seen[ranks] & ok
+    seen[ranks[finite & ok]] = True
+    return np.isinf(x) | (np.isnan(x) & was_seen)
+
+
+def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> DetectorOutput:
+    n = frame.n
+    nf = frame.m.get("nonfinite", np.full(n, np.nan))
+    g_bad = _nonfinite(frame, state, "grad_norm")
+    loss_bad = _nonfinite(frame, state, "loss")
+    reduced_bad = _nonfinite(frame, state, "grad_norm_reduced")
+    counted_zero = nf == 0  # the rank counted its gradient's non-finite elements: none
+    overflow = g_bad & counted_zero  # finite elements, norm overflowed: a huge value (SDC)
+    local_bad = (np.nan_to_num(nf, nan=0.0) > 0) | (g_bad & ~counted_zero)
+    any_bad = bool(local_bad.any() or loss_bad.any() or reduced_bad.any() or overflow.any())
+    out = DetectorOutput()
+    if not any_bad:
+        if state.open:
+            state.quiet += 1
+            if state.quiet >= cfg.quiet_steps_to_close:
+                state.open = False
+        return out
+    state.quiet = 0
+    if state.open:
+        return out
+    state.open = True
+    state.origin_step = frame.step
+    if local_bad.any():
+        basis, rows = "local_grad", np.flatnonzero(local_bad)
+    elif loss_bad.any():
+        basis, rows = "loss", np.flatnonzero(loss_bad)
+    elif overflow.any() or reduced_bad.sum() * 2 < n:
+        # finite but huge local values, or a minority's reduction went wrong: silent data
+        # corruption, reported as such by metric_outlier / reduced_grad. The incident is
+        # open all the same, so its aftermath is not blamed here.
+        return out
+    else:
+        basis, rows = "reduced_only", np.flatnonzero(reduced_bad)
+    unattributed = basis == "reduced_only" or rows.size * 2 >= n
+    ranks = tuple(int(r) for r in frame.rank[rows])
+    g = frame.m.get("grad_norm", np.full(n, np.nan))
+    others = np.setdiff1d(np.arange(n), rows)
+    healthy = g[others][np.isfinite(g[others])]
+    evidence = {
+        "metric": "nonfinite",
+        "value": num(nf[rows[0]]) if rows.size else None,
+        "peer_median": num(np.median(healthy)) if healthy.size else None,
+        "peers": [num(v) for v in healthy[:16]],
+        "history_median": None,
+        "basis": basis,
+        "nonfinite": [num(v) for v in nf[rows[:16]]],
+        "grad_norm": [num(v) for v in g[rows[:16]]],
+        "ranks_with_nonfinite_reduced": int(reduced_bad.sum()),
+        "ranks_reporting": n,
+    }
+    out.signals.append(
+        Signal(
+            kind="nonfinite",
+            ranks=ranks,
+            detector=NAME,
+            score=float(1.0 - rows.size / max(n, 1)),
+            severity="oneshot",
+            evidence=evidence,
+            unattributed=bool(unattributed),
+        )
+    )
+    return out
+
+
+CONFIG = NonfiniteConfig
+STATE = NonfiniteState

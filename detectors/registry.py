@@ -1,0 +1,82 @@
+"""The list of detectors the engine runs on every assembled step.
+
+Protocol (shared contract): each detector module has a kw_only slotted
+Config dataclass, a State with ``learn(frame, clean_mask)`` (only clean rows
+teach baselines), ``state_dict()`` / ``load_state_dict(d)``, and a pure
+``detect(frame, state, cfg) -> DetectorOutput`` that may advance incident or
+persistence counters in the state but never its baselines. The engine runs
+every spec on a step, builds clean_mask (rows named by no signal of the step
+and with finite readings) and then calls ``state.learn`` for each.
+
+Defaults live in each Config class; ``default_configs`` only instantiates
+them, so there is one place per setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from detectors import (
+    check_vote,
+    digest_vote,
+    gpu_health,
+    gpu_throttle,
+    metric_outlier,
+    network,
+    nonfinite_origin,
+    reduced_grad,
+    straggler,
+)
+
+__all__ = ["DetectorSpec", "DETECTORS", "default_configs", "spec_by_name"]
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorSpec:
+    """One detector: its name, its Config class, a state factory and the detect function."""
+
+    name: str
+    config_cls: type
+    make_state: Callable[[Any], Any]
+    detect: Callable[[Any, Any, Any], Any]
+
+
+def _spec(module) -> DetectorSpec:
+    """Build a spec from a detector module's conventional names."""
+    return DetectorSpec(
+        name=module.NAME,
+        config_cls=module.CONFIG,
+        make_state=module.STATE,
+        detect=module.detect,
+    )
+
+
+DETECTORS: tuple[DetectorSpec, ...] = tuple(
+    _spec(m)
+    for m in (
+        straggler,
+        network,
+        metric_outlier,
+        digest_vote,
+        reduced_grad,
+        check_vote,
+        nonfinite_origin,
+        gpu_health,
+        gpu_throttle,
+    )
+)
+
+
+def default_configs() -> dict[str, Any]:
+    """name -> a fresh default Config for every registered detector."""
+    return {spec.name: spec.config_cls() for spec in DETECTORS}
+
+
+def spec_by_name(name: str) -> DetectorSpec:
+    """The spec called ``name``; KeyError listing the known names otherwise."""
+    for spec in DETECTORS:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"unknown detector {name!r}; known: {', '.join(s.name for s in DETECTORS)}")

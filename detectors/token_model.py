@@ -1,0 +1,82 @@
+"""How a step's compute time depends on its tokens, per peer group, learnt from clean steps.
+
+Ranks that draw different sequence lengths compute for different times;
+dividing by tokens removes most of that, but not the part of a step that
+does not grow with tokens (optimizer, launch overheads): a rank that drew
+short batches for a while would then look slow per token. So the model is
+affine, in units of the step's peer medians: ``compute / median compute =
+alpha + beta x tokens / median tokens``, one (alpha, beta) per peer group,
+fitted by least squares over the clean rows of recent steps (sufficient
+statistics with a forgetting factor, so the fit follows a changing
+workload). The expected compute of a rank this step is then the peer median
+times ``alpha + beta x`` its relative tokens.
+
+Until a group has ``min_rows`` clean rows with some spread in tokens, the
+model says nothing (NaN) and callers compare raw compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["TokenModel"]
+
+_FORGET = 1.0 / 256.0  # weight lost per learnt step: the fit spans a few hundred steps
+
+
+class TokenModel:
+    """Per-group least-squares line through (relative tokens, relative compute)."""
+
+    __slots__ = ("keys", "stats", "min_rows", "pending")
+
+    def __init__(self, min_rows: int = 20) -> None:
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.stats = np.zeros((5, 0))  # weight, sum x, sum y, sum xx, sum xy per group
+        self.min_rows = int(min_rows)
+        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def expected(self, idx, x: np.ndarray) -> np.ndarray:
+        """Per row: expected relative compute at relative tokens ``x`` (NaN: no model)."""
+        out = np.full(x.shape[0], np.nan)
+        if not np.array_equal(idx.keys, self.keys):
+            return out
+        w, sx, sy, sxx, sxy = self.stats
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var = sxx / w - (sx / w) ** 2
+            beta = (sxy / w - sx * sy / w**2) / var
+            alpha = sy / w - beta * sx / w
+            ready = (w >= self.min_rows) & (var > 1e-4) & (beta >= 0)
+        alpha = np.where(ready, alpha, np.nan)
+        beta = np.where(ready, beta, np.nan)
+        return idx.rows(alpha) + idx.rows(beta) * x
+
+    def offer(self, idx, x: np.ndarray, y: np.ndarray) -> None:
+        """This step's relative tokens and compute, learnt if ``learn`` finds the rows clean."""
+        self.pending = (idx.keys.copy(), idx.row_gid.copy(), x, y)
+
+    def learn(self, clean: np.ndarray) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        keys, gid, x, y = pending
+        if clean.shape[0] != x.shape[0]:
+            return
+        if not np.array_equal(keys, self.keys):
+            self.keys = keys
+            self.stats = np.zeros((5, keys.shape[0]))
+        ok = clean & np.isfinite(x) & np.isfinite(y)
+        g = gid[ok]
+        xs, ys = x[ok], y[ok]
+        size = keys.shape[0]
+        self.stats *= 1.0 - _FORGET
+        for i, v in enumerate((np.ones_like(xs), xs, ys, xs * xs, xs * ys)):
+            self.stats[i] += np.bincount(g, weights=v, minlength=size)
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys.tolist(), "stats": self.stats.tolist()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if not d:
+            return
+        self.keys = np.asarray(d.get("keys", []), dtype=np.int64)
+        self.stats = np.asarray(d.get("stats", []), dtype=np.float64).reshape(5, -1)

@@ -1,0 +1,138 @@
+"""Message values in, validated records out, with a fast path for the common case.
+
+``pipeline.records.validate_record`` costs about 12 µs a record; at the
+service's target of 100,000 records a second that alone would take more than
+one of the machine's two cores. ``check_fast`` accepts exactly the records
+that ``validate_record`` accepts *unchanged* (every known field of the exact
+type the schema names, required fields present, a known version, type and
+beat phase, well-formed collectives), judging each record *shape* (field
+names and value types) once and then with one dictionary lookup a record,
+since one producer's records all share a shape. Anything else (a whole float
+in an int field that needs normalising, a malformed record) goes to
+``validate_record``, which normalises it or says why it is unusable. The
+verdict is therefore always ``validate_record``'s.
+"""
+
+from __future__ import annotations
+
+from pipeline.bus_kafka import decode_value
+from pipeline.records import _COLLECTIVE_FIELDS, _SCHEMA, PHASES, RecordError, validate_record
+
+__all__ = ["check_fast", "decode_records"]
+
+
+def _exact(types: tuple[type, ...]) -> frozenset[type]:
+    # bool is never a number here, and an exact-type check already excludes it.
+    return frozenset(types)
+
+
+_COMMON = {"v": frozenset({int}), "type": frozenset({str}), "job": frozenset({str})}
+_TABLES = {
+    kind: {**_COMMON, **{name: _exact(types) for name, (types, _req) in table.items()}}
+    for kind, table in _SCHEMA.items()
+}
+_REQUIRED = {
+    kind: frozenset(["v", "type", "job", *(n for n, (_t, req) in table.items() if req)])
+    for kind, table in _SCHEMA.items()
+}
+_COLL_TYPES = {name: _exact(types) for name, (types, _req) in _COLLECTIVE_FIELDS.items()}
+_COLL_REQUIRED = frozenset(n for n, (_t, req) in _COLLECTIVE_FIELDS.items() if req)
+_PHASES = frozenset(PHASES)
+
+
+def _shape_ok(rec: dict) -> bool:
+    kind = rec.get("type")
+    table = _TABLES.get(kind) if type(kind) is str else None
+    if table is None or not _REQUIRED[kind] <= rec.keys():
+        return False
+    for name, value in rec.items():
+        allowed = table.get(name)
+        if allowed is not None and type(value) not in allowed:
+            return False
+    return True
+
+
+def _coll_shape_ok(c: dict) -> bool:
+    if not _COLL_REQUIRED <= c.keys():
+        return False
+    for name, value in c.items():
+        allowed = _COLL_TYPES.get(name)
+        if allowed is not None and type(value) not in allowed:
+            return False
+    return True
+
+
+# Verdicts per record shape (type, field names and value types in order): one
+# producer's records all share a shape, so a record costs one lookup.
+_SHAPES: dict[tuple, bool] = {}
+_COLL_SHAPES: dict[tuple, bool] = {}
+_MAX_SHAPES = 4096
+
+
+def _judge(rec: dict, key: tuple) -> bool:
+    if len(_SHAPES) >= _MAX_SHAPES:
+        _SHAPES.clear()
+    ok = _SHAPES[key] = _shape_ok(rec)
+    return ok
+
+
+def _colls_ok(colls) -> bool:
+    for c in colls:
+        if type(c) is not dict:
+            return False
+        key = (tuple(c), tuple(map(type, c.values())))
+        ok = _COLL_SHAPES.get(key)
+        if ok is None:
+            if len(_COLL_SHAPES) >= _MAX_SHAPES:
+                _COLL_SHAPES.clear()
+            ok = _COLL_SHAPES[key] = _coll_shape_ok(c)
+        if not ok:
+            return False
+    return True
+
+
+def check_fast(rec) -> bool:
+    """True when ``rec`` is certainly valid as it stands (no normalisation needed)."""
+    if type(rec) is not dict:
+        return False
+    kind = rec.get("type")
+    if type(kind) is not str:
+        return False
+    key = (kind, tuple(rec), tuple(map(type, rec.values())))
+    ok = _SHAPES.get(key)
+    if ok is None:
+        ok = _judge(rec, key)
+    if not ok or rec["v"] != 1:
+        return False
+    if kind == "beat" and rec["phase"] not in _PHASES:
+        return False
+    colls = rec.get("collectives")
+    return not colls or _colls_ok(colls)
+
+
+def decode_records(value: bytes | None, good: list[dict], bad: list[tuple[int, str, dict]]):
+    """Decode one message value into ``good`` records; ``bad`` gets ``(index, reason,
+    record)`` per unusable record. Raises ValueError when the value itself is unusable."""
+    prev = None  # (keys, types) of the previous record that passed: arrays repeat one shape
+    for i, rec in enumerate(decode_value(value)):
+        keys = tuple(rec)
+        types = tuple(map(type, rec.values()))
+        if (
+            prev is not None
+            and keys == prev[0]
+            and types == prev[1]
+            and rec["type"] == prev[2]
+            and rec["v"] == 1
+            and (prev[2] != "beat" or rec["phase"] in _PHASES)
+            and (not rec.get("collectives") or _colls_ok(rec["collectives"]))
+        ):
+            good.append(rec)
+            continue
+        if check_fast(rec):
+            good.append(rec)
+            prev = (keys, types, rec["type"])
+            continue
+        try:
+            good.append(validate_record(rec))
+        except RecordError as exc:
+            bad.append((i, str(exc), rec))

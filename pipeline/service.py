@@ -1,0 +1,392 @@
+"""``rankscope serve``: the online service loop over a Kafka consumer group.
+
+One loop, one thread: poll ``<prefix>.telemetry`` and ``<prefix>.gpu``, decode
+and validate, feed the engine, tick it, write what came out, and now and
+then checkpoint and commit. One ``Engine`` per assigned partition number
+(partition *i* of telemetry and gpu go to the same process, see
+``pipeline.bus_kafka``), so a partition's engine state moves with the
+partition when the group rebalances and several ``serve`` processes split
+the jobs.
+
+Delivery (at least once, idempotent writes, so a crash loses and duplicates
+nothing):
+
+1. findings are upserted into DuckDB by ``finding_id`` as they come;
+2. then published to ``<prefix>.findings``, and evict/recover verdicts as
+   signed messages to ``<prefix>.control`` (once per finding and action,
+   remembered in DuckDB);
+3. every ``checkpoint_interval_s`` (and on shutdown) the engine state of
+   each partition is saved with the offset to resume from, and only then the
+   same offsets are committed to Kafka. The resume offset is the earliest
+   message holding a record of a step the engine has not built yet: those
+   steps are not in the saved state, so their records must come again.
+   Records of steps already built are dropped as late on re-read. A
+   rebalance writes nothing (the Kafka client calls back on its IO thread,
+   which must not block): the partition's next owner resumes from its last
+   checkpoint and rebuilds the same findings from the records after it.
+
+Malformed messages (not JSON, not records) and records that break the schema
+go to ``<prefix>.deadletter`` and the DuckDB ``bad_records`` table with the
+reason; the rest of the batch goes on. SIGTERM/SIGINT finish the batch,
+write, checkpoint, commit and return.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import orjson
+
+from pipeline.bus_decode import decode_records
+from pipeline.bus_kafka import KafkaBus
+from pipeline.serve_config import ServeConfig, ServeStats
+from pipeline.serve_db import ServeDb
+from pipeline.serve_partition import PartitionState
+
+__all__ = ["ServeConfig", "Service", "ServeStats"]
+
+log = logging.getLogger("rankscope.serve")
+
+
+def _dumps_or_none(rec) -> bytes | None:
+    try:
+        return orjson.dumps(rec)
+    except TypeError:
+        return None
+
+
+def _rebalance_listener(service: Service):
+    """A listener that seeks assigned partitions to their checkpoints.
+
+    kafka-python 3 calls it on its IO thread (an async listener keeps its loop
+    going); kafka-python 2 calls a plain listener from ``poll``."""
+    try:
+        from kafka import AsyncConsumerRebalanceListener
+    except ImportError:
+        from kafka import ConsumerRebalanceListener
+
+        class _Sync(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                service._revoke(revoked)
+
+            def on_partitions_assigned(self, assigned):
+                service._assign(assigned)
+
+        return _Sync()
+
+    class _Async(AsyncConsumerRebalanceListener):
+        async def on_partitions_revoked(self, revoked):
+            service._revoke(revoked)
+
+        async def on_partitions_assigned(self, assigned):
+            service._assign(assigned)
+
+    return _Async()
+
+
+def default_engine_factory():
+    from pipeline.assemble import AssemblerConfig
+    from pipeline.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(assembler=AssemblerConfig(clock="wall")))
+
+
+class Service:
+    """The consume-detect-store loop (see the module docstring)."""
+
+    def __init__(self, cfg: ServeConfig, *, engine_factory=default_engine_factory) -> None:
+        self.cfg = cfg
+        self.bus = KafkaBus(cfg.bus)
+        self.engine_factory = engine_factory
+        self.topics = {k: self.bus.topic(k) for k in ("telemetry", "gpu")}
+        self.stats = ServeStats()
+        self._stop = threading.Event()
+        self._parts: dict[int, PartitionState] = {}
+        self._db = ServeDb(cfg.db_path, share=cfg.share_db)
+        self._consumer = None
+        self._producer = None
+        self._announcer = None
+        self._last_checkpoint = time.monotonic()
+        self._pending_findings: list = []
+        self._pending_dead: list[tuple] = []
+        self._latency_seen: set[str] = set()
+        self._delivered: list[dict] = []  # control messages sent, not yet marked in DuckDB
+        self._positions_checked = 0.0
+
+    def stop(self, *_args) -> None:
+        """Ask the loop to finish its batch, write, commit and return (signal-safe)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    # -- setup -------------------------------------------------------------
+    def _setup(self) -> None:
+        from pipeline.control import ControlAnnouncer
+
+        self.bus.ensure_topics(self.cfg.partitions)
+        if self.cfg.control_secret is not None:
+            with self._db.session() as db:
+                sent = db.tables.announced()
+            self._announcer = ControlAnnouncer(self.cfg.control_secret, announced=sent)
+        else:
+            log.warning("no control secret configured: evict/recover will not be announced")
+        self._producer = self.bus.producer(linger_ms=5)
+        self.engine_factory()  # import the detectors now, not on the client's IO thread
+        session_ms = int(self.cfg.session_timeout_s * 1000)
+        self._consumer = self.bus.consumer(
+            (),
+            group=self.cfg.group,
+            max_poll_records=self.cfg.max_poll_messages,
+            session_timeout_ms=session_ms,
+            heartbeat_interval_ms=max(1000, session_ms // 5),
+        )
+        for topic in self.topics.values():  # metadata first: a join without it assigns nothing
+            self._consumer.partitions_for_topic(topic)
+        self._consumer.subscribe(list(self.topics.values()), listener=_rebalance_listener(self))
+
+    def _assign(self, assigned) -> None:
+        """Keep the partitions we had, seek new ones to their checkpoints.
+
+        Runs on the Kafka client's IO thread, so it only reads a row; the engine
+        state is loaded by the loop on first use. A partition assigned to us
+        again keeps its engine: if the client re-reads from an older offset, the
+        assembler drops records of steps it has built as late."""
+        numbers = {tp.partition for tp in assigned}
+        for pnum in [p for p in self._parts if p not in numbers]:
+            del self._parts[pnum]  # gone to another process: it resumes from our checkpoint
+        with self._db.session() as db:
+            for tp in sorted(assigned, key=lambda tp: (tp.partition, tp.topic)):
+                part = self._parts.get(tp.partition)
+                if part is None:
+                    part = self._parts[tp.partition] = PartitionState(self.engine_factory)
+                elif tp.topic in part.next_offset:
+                    continue  # ours before the rebalance, still ours
+                saved = db.tables.load_checkpoint(self.cfg.group, tp.topic, tp.partition)
+                if saved is not None:
+                    if saved[1] and tp.topic == self.topics["telemetry"]:
+                        part.saved_state = saved[1]
+                    self._consumer.seek(tp, saved[0])
+                    part.next_offset[tp.topic] = saved[0]
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+    def _revoke(self, revoked) -> None:
+        """Nothing is written here (the Kafka client's IO thread must not block) and
+        nothing dropped yet: ``_assign`` keeps what comes back to us. A partition that
+        goes to another process is resumed there from its last checkpoint, whose
+        state and offset belong together, and the same findings are rebuilt from
+        the records after it (idempotent writes)."""
+        if revoked:
+            log.info("revoked %s", sorted((tp.topic, tp.partition) for tp in revoked))
+
+    # -- the loop ----------------------------------------------------------
+    def run(self) -> ServeStats:
+        t0 = time.monotonic()
+        self._setup()
+        last_msg = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                batch = self._consumer.poll(
+                    timeout_ms=int(self.cfg.poll_timeout_s * 1000),
+                    max_records=self.cfg.max_poll_messages,
+                )
+                now = time.time()
+                if batch:
+                    self._consume(batch, now)
+                    last_msg = time.monotonic()
+                elif not self._parts:
+                    self._stop.wait(self.cfg.poll_timeout_s)  # unassigned: poll does not wait
+                elif time.monotonic() - last_msg > 1.0:
+                    self._resolve_positions()
+                for part in self._parts.values():
+                    self._found(part, part.engine.tick(now), now)
+                    if self.cfg.measure_latency:
+                        part.built_steps(time.time(), self.stats.step_latency_s)
+                self._write()
+                if not self._parts:
+                    last_msg = time.monotonic()  # idle counts only while partitions are ours
+                if (
+                    self.cfg.idle_exit_s is not None
+                    and time.monotonic() - last_msg > self.cfg.idle_exit_s
+                ):
+                    for part in self._parts.values():
+                        self._found(part, part.engine.flush(), time.time())
+                    break
+            self._write(force_checkpoint=True)
+            if self._delivered:
+                with self._db.session() as db:
+                    db.write(findings=[], deadletters=[], control=self._delivered, scores=[],
+                             jobs=[], group=self.cfg.group, checkpoints=[])  # fmt: skip
+        finally:
+            self.stats.seconds = time.monotonic() - t0
+            self._close()
+        return self.stats
+
+    def _resolve_positions(self) -> None:
+        """Make sure every assigned partition has a fetch position.
+
+        kafka-python 3 may leave positions unset after two quick rebalances at
+        start-up (the first join often has no topic metadata yet), and then
+        never fetches; asking for the position resolves it."""
+        if time.monotonic() - self._positions_checked < 1.0:
+            return
+        self._positions_checked = time.monotonic()
+        try:
+            for tp in self._consumer.assignment():
+                self._consumer.position(tp, timeout_ms=2000)
+        except Exception as exc:  # broker away or a rebalance in between: try again later
+            log.debug("resolving positions: %s", exc)
+
+    def _consume(self, batch, now: float) -> None:
+        telemetry = self.topics["telemetry"]
+        if self.stats._first is None:
+            self.stats._first = time.monotonic()
+        for tp, msgs in batch.items():
+            part = self._parts.get(tp.partition)
+            if part is None:  # assignment we were not told about: start fresh
+                part = self._parts[tp.partition] = PartitionState(self.engine_factory)
+            good: list[dict] = []
+            fed_from = 0  # index into msgs of the first message not yet fed
+            is_tel = tp.topic == telemetry
+            for k, m in enumerate(msgs):
+                bad: list[tuple[int, str, dict]] = []
+                start = len(good)
+                try:
+                    decode_records(m.value, good, bad)
+                except ValueError as exc:
+                    self._dead(tp, m.offset, -1, str(exc), m.value)
+                    continue
+                for idx, reason, rec in bad:
+                    self._dead(tp, m.offset, idx, reason, _dumps_or_none(rec))
+                if is_tel:
+                    part.note_steps(good, start, m.offset, now)
+                if len(good) >= self.cfg.feed_records or k == len(msgs) - 1:
+                    self._feed(tp, part, good, msgs[fed_from : k + 1], now)
+                    good, fed_from = [], k + 1
+            if good:
+                self._feed(tp, part, good, msgs[fed_from:], now)
+            self.stats.messages += len(msgs)
+            part.next_offset[tp.topic] = msgs[-1].offset + 1
+            part.dirty = True
+        self.stats.busy_s = time.monotonic() - self.stats._first
+
+    def _feed(self, tp, part: PartitionState, good: list[dict], msgs, now: float) -> None:
+        if not good:
+            return
+        try:
+            found = part.engine.feed(good, now)
+        except Exception as exc:  # an engine bug must not stop the service
+            log.exception("engine failed on a batch from %s", tp)
+            for m in msgs:
+                self._dead(tp, m.offset, -1, f"engine error: {exc}", m.value)
+            return
+        self.stats.records += len(good)
+        self._found(part, found, now)
+        if self.cfg.measure_latency:
+            part.built_steps(time.time(), self.stats.step_latency_s)
+
+    def _found(self, part: PartitionState, findings, now: float) -> None:
+        if not findings:
+            return
+        for f in findings:
+            if f.finding_id in self._latency_seen:
+                continue
+            self._latency_seen.add(f.finding_id)
+            arrived = part.arrival.get((f.job, f.detected_step))
+            if arrived is not None:  # from the step's last record to its finding
+                self.stats.detect_latency_s.append(max(0.0, time.time() - arrived))
+        self._pending_findings.extend(findings)
+        self.stats.findings += len(findings)
+
+    def _dead(self, tp, offset: int, idx: int, reason: str, value: bytes | None) -> None:
+        log.warning("dead letter %s[%d]@%d#%d: %s", tp.topic, tp.partition, offset, idx, reason)
+        self._pending_dead.append((tp.topic, tp.partition, offset, idx, reason, value))
+        self.stats.deadletters += 1
+
+    def _write(self, *, force_checkpoint: bool = False) -> None:
+        """Store, publish, and (when due) checkpoint and commit, in that order."""
+        due = force_checkpoint or (
+            time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_interval_s
+        )
+        if not (self._pending_findings or self._pending_dead or due):
+            return
+        findings, dead = self._pending_findings, self._pending_dead
+        self._pending_findings, self._pending_dead = [], []
+        control = self._announcer.messages(findings) if self._announcer else []
+        checkpoint, commit, scores, jobs = [], {}, [], []
+        if due:
+            checkpoint, commit = self._checkpoint_rows()
+            for part in self._parts.values():
+                scores.extend(part.engine.drain_scores())
+                jobs.extend(part.engine.job_summary(j) for j in part.engine.jobs)
+        delivered, self._delivered = self._delivered, []
+        with self._db.session() as db:
+            db.write(
+                findings=findings, deadletters=dead, control=delivered, scores=scores, jobs=jobs,
+                group=self.cfg.group, checkpoints=checkpoint,
+            )  # fmt: skip
+        self._publish(findings, dead, control)
+        if due:
+            self._producer.flush(timeout=30)
+            if commit:
+                self._consumer.commit(commit)
+            self._last_checkpoint = time.monotonic()
+            self.stats.checkpoints += 1
+
+    def _checkpoint_rows(self):
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        telemetry = self.topics["telemetry"]
+        rows, commit = [], {}
+        for pnum, part in self._parts.items():
+            state = None
+            if part.dirty:
+                state = orjson.dumps(
+                    part.engine.state_dict(),
+                    option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
+                ).decode()
+            for topic in list(part.next_offset):
+                off = part.resume_offset(topic, telemetry)
+                if off is None:
+                    continue
+                if part.dirty or topic != telemetry:
+                    rows.append((topic, pnum, off, state if topic == telemetry else None))
+                commit[TopicPartition(topic, pnum)] = OffsetAndMetadata(off, "", -1)
+            part.dirty = False
+        return rows, commit
+
+    def _publish(self, findings, dead, control) -> None:
+        from pipeline.bus_kafka import encode_records
+
+        topic = self.bus.topic
+        for f in findings:
+            self._producer.send(topic("findings"), key=f.job.encode(), value=f.to_json())
+        for msg in control:
+            self._producer.send(
+                topic("control"), key=msg["job"].encode(), value=encode_records([msg])
+            )
+            self._delivered.append(msg)
+            self.stats.control_sent += 1
+        for src, part, off, idx, reason, value in dead:
+            headers = [
+                ("reason", reason.encode()[:1000]),
+                ("source", f"{src}:{part}:{off}:{idx}".encode()),
+            ]
+            self._producer.send(topic("deadletter"), value=value or b"", headers=headers)
+
+    def _close(self) -> None:
+        for client in (self._consumer, self._producer):
+            if client is None:
+                continue
+            try:
+                if client is self._consumer:
+                    client.close(autocommit=False, timeout_ms=5000)  # offsets are committed
+                else:
+                    client.close(timeout=10)
+            except Exception as exc:  # closing on the way out: log, never mask
+                log.warning("closing Kafka client: %s", exc)
+        self._db.close()

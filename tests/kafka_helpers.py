@@ -1,0 +1,122 @@
+"""Helpers for the tests against the real broker (``scripts/kafka up``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "kafka-test-secret-0123456789"
+
+
+def bootstrap() -> str:
+    addr = os.environ.get("RANKSCOPE_KAFKA_BOOTSTRAP")
+    if addr:
+        return addr
+    f = ROOT / ".kafka" / "bootstrap"
+    if not f.is_file():
+        pytest.skip("no Kafka broker: run `scripts/kafka up` (make test does)")
+    return f.read_text().strip()
+
+
+@pytest.fixture
+def procs():
+    """Processes a test starts; any still running at teardown are killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
+@pytest.fixture
+def kafka_url():
+    """A kafka:// URL with a topic prefix of its own; the topics are deleted afterwards."""
+    from pipeline.bus_kafka import KafkaBus
+
+    url = f"kafka://{bootstrap()}?topic_prefix=t{uuid.uuid4().hex[:10]}"
+    yield url
+    try:
+        KafkaBus(url).delete_topics()
+    except Exception as exc:  # the broker may be gone after a failure; do not mask it
+        print(f"topic cleanup failed: {exc}", file=sys.stderr)
+
+
+def consume_all(url: str, kind: str, *, expect: int, timeout_s: float = 20.0, idle_s=None):
+    """Every message of one topic (from the start) once ``expect`` arrived, time is up,
+    or (with ``idle_s``) nothing more came for that long."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from pipeline.bus_kafka import KafkaBus
+
+    bus = KafkaBus(url)
+    c = KafkaConsumer(**bus.url.client_kwargs(), group_id=None, enable_auto_commit=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        parts = None
+        while not parts and time.monotonic() < deadline:
+            parts = c.partitions_for_topic(bus.topic(kind))
+            if not parts:
+                time.sleep(0.2)
+        if not parts:
+            return []
+        tps = [TopicPartition(bus.topic(kind), p) for p in sorted(parts)]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        out = []
+        last = time.monotonic()
+        while len(out) < expect and time.monotonic() < deadline:
+            for msgs in c.poll(timeout_ms=200).values():
+                out.extend(msgs)
+                last = time.monotonic()
+            if idle_s is not None and out and time.monotonic() - last > idle_s:
+                break
+        return out
+    finally:
+        c.close()
+
+
+def rankscope(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    """Start ``rankscope ARGS`` as a real process (stderr captured)."""
+    full_env = {**os.environ, "RANKSCOPE_CONTROL_SECRET": SECRET, **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def findings_in(db: Path) -> list[dict]:
+    """Findings of a store another process may be writing (retry while it is locked)."""
+    from pipeline.store import Store, StoreError
+
+    if not db.exists():
+        return []
+    for _ in range(50):
+        try:
+            with Store(db, read_only=True) as st:
+                return st.list_findings()
+        except StoreError:
+            time.sleep(0.1)
+    return []

@@ -1,0 +1,92 @@
+"""The Kafka sink in a real training loop while the real broker goes away and comes back."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import orjson
+import pytest
+from kafka_helpers import ROOT, consume_all, kafka_url  # noqa: F401 - fixture
+
+from pipeline.bus_kafka import KafkaBus
+
+pytestmark = pytest.mark.kafka
+
+
+def _broker(cmd: str) -> None:
+    done = subprocess.run([str(ROOT / "scripts/kafka"), cmd], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/kafka {cmd} failed: {done.stderr[-2000:]}")
+
+
+def test_training_goes_on_while_the_broker_is_down(kafka_url):  # noqa: F811
+    import torch
+
+    from collectors import RankCollector
+
+    KafkaBus(kafka_url).ensure_topics(partitions=1, kinds=("telemetry", "gpu"))
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rc = RankCollector.attach(
+        model, opt, job="outage", rank=0, world=1, host="node00", beat_interval_s=0.5,
+        sink=kafka_url + "&buffer_records=40&linger_ms=5&flush_timeout_s=10",
+    )  # fmt: skip
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    outage: dict[str, float] = {}
+
+    failure: list[BaseException] = []
+
+    def stop_for_10s():
+        try:
+            _broker("down")
+            outage["down"] = time.monotonic()
+            time.sleep(10)
+            outage["restarting"] = time.monotonic()
+            _broker("up")
+            outage["up"] = time.monotonic()
+        except BaseException as exc:
+            failure.append(exc)
+
+    longest, step, t_end = 0.0, 0, None
+    t_start = time.monotonic()
+    stopper = threading.Thread(target=stop_for_10s)
+    try:
+        while (t_end is None or time.monotonic() < t_end) and not failure:
+            t0 = time.monotonic()
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            rc.loss(loss.detach())
+            opt.step()
+            time.sleep(0.04)  # the rest of a real step
+            longest = max(longest, time.monotonic() - t0)
+            step += 1
+            if step == 30:
+                stopper.start()
+            if t_end is None and "up" in outage:
+                t_end = time.monotonic() + 3.0  # train on a while after the broker is back
+    finally:
+        if stopper.is_alive():
+            stopper.join()
+        rc.close()
+    assert not failure, failure
+    assert longest < 1.0, f"a training step took {longest:.2f} s while the broker was away"
+
+    print({k: round(v - t_start, 1) for k, v in outage.items()}, "end", time.monotonic() - t_start)
+    msgs = consume_all(kafka_url, "telemetry", expect=10**9, timeout_s=30, idle_s=2.0)
+    records = []
+    for m in msgs:
+        body = orjson.loads(m.value)
+        records.extend(body if isinstance(body, list) else [body])
+    steps = sorted(r["step"] for r in records if r["type"] == "step")
+    assert steps[0] == 0 and steps[-1] == step - 1  # before the outage and after it
+    missing = sorted(set(range(step)) - set(steps))
+    assert missing, "the 40-record buffer cannot have held a 10 s outage"
+    # the first record after the gap says how many were lost
+    after_gap = min((r for r in records if r["type"] == "step" and r["step"] > missing[0]),
+                    key=lambda r: r["step"])  # fmt: skip
+    assert after_gap.get("dropped", 0) > 0
+    total_dropped = sum(r.get("dropped", 0) for r in records if r["type"] in ("step", "beat"))
+    assert total_dropped >= len(missing)
