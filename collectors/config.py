@@ -30,6 +30,10 @@ class CollectorConfig:
     """How long ``close()`` waits for the sender to drain before giving up (a stalled sink)."""
     digest_every_steps: int = 1
     """Compute ``param_digest`` every this many steps (1 = every step; 0 = never)."""
+    digest_in_background: bool = True
+    """Compute the digest on a worker thread between the optimizer step and the next one
+    (False: on the training thread at the step boundary; for loops that change parameters
+    through ``.data`` between steps, which the worker cannot notice)."""
     ddp_group_name: str = "dp"
     """Group name written for the DDP gradient all-reduce collectives."""
 

@@ -48,7 +48,7 @@ hook_context = threading.local()
 class HookContext:
     """Settings the hook closure reads; swapped to pass-through at close."""
 
-    __slots__ = ("state", "group_name", "user_hook", "user_state", "process_group", "active")
+    __slots__ = ("state", "group_name", "user_hook", "user_state", "process_group", "active", "_pg")
 
     def __init__(
         self,
@@ -64,37 +64,56 @@ class HookContext:
         self.user_state = user_state
         self.process_group = process_group
         self.active = True
+        self._pg: tuple[Any, int] | None = None
+
+    def group_and_size(self) -> tuple[Any, int]:
+        """The reducing process group and its size, looked up once."""
+        if self._pg is None:
+            import torch.distributed as dist
+
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            self._pg = (group, group.size())
+        return self._pg
 
 
 def tensor_norm_stats(t: torch.Tensor) -> tuple[Any, Any]:
     """(L2 norm, nonfinite count) of ``t``; on accelerators both stay lazy tensors.
 
-    On CPU the norm is checked at once and the nonfinite elements are counted
-    only when the norm says there are some, so the common case is one pass.
+    On CPU the norm is taken in the tensor's own precision (float32 at least),
+    which is one vectorized pass; only when that is not finite is it taken
+    again accumulating in float64 (an exponent bit flip, ~1e34, squared
+    overflows float32 and would turn the very value that shows the corruption
+    into inf) and, if still not finite, the nonfinite elements counted. The
+    common case is therefore one cheap pass.
     """
     if t.numel() == 0:
         return 0.0, 0
-    # float64 accumulation: an exponent bit flip (~1e34) squared overflows float32
-    # and would turn the very value that shows the corruption into inf.
-    norm = torch.linalg.vector_norm(t.detach(), dtype=torch.float64)
+    t = t.detach()
     if t.device.type == "cpu":
-        value = float(norm)
+        if t.dtype in (torch.float32, torch.float64):
+            value = float(torch.linalg.vector_norm(t))
+        else:
+            value = float(torch.linalg.vector_norm(t, dtype=torch.float32))
+        if math.isfinite(value):
+            return value, 0
+        value = float(torch.linalg.vector_norm(t, dtype=torch.float64))
         if math.isfinite(value):
             return value, 0
         return value, int((~torch.isfinite(t)).sum())
-    return norm, (~torch.isfinite(t.detach())).sum()
+    norm = torch.linalg.vector_norm(t, dtype=torch.float64)
+    return norm, (~torch.isfinite(t)).sum()
 
 
-def _launch_average(process_group: Any, bucket: Any) -> torch.futures.Future:
-    """DDP's default reduction (divide by the group size, all-reduce), returning
-    the raw future so the collector's completion callback is the only Python
+def _launch_average(ctx: HookContext, bucket: Any) -> torch.futures.Future:
+    """DDP's default reduction (divide by the group size, all-reduce) launched on
+    the process group directly: no pass through the ``torch.distributed``
+    Python wrappers (nor the collector's own patch of them), and the raw
+    future back, so the collector's completion callback is the only Python
     hop on the comm thread (``default_hooks.allreduce_hook`` adds another)."""
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else dist.group.WORLD
+    group, size = ctx.group_and_size()
     buf = bucket.buffer()
-    buf.div_(group.size())
-    return dist.all_reduce(buf, group=group, async_op=True).get_future()
+    buf.div_(size)
+    return group.allreduce([buf]).get_future()
 
 
 def make_ddp_hook(ctx: HookContext) -> Callable:
@@ -117,9 +136,12 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
         except Exception as exc:
             log.debug("comm hook bookkeeping failed: %s", exc)
         t_enter = time.perf_counter()
-        hook_context.active = True
         try:
-            fut = _reduce(bucket) if ctx.user_hook else _launch_average(ctx.process_group, bucket)
+            if ctx.user_hook is None:
+                fut = _launch_average(ctx, bucket)
+            else:
+                hook_context.active = True
+                fut = _reduce(bucket)
         finally:
             hook_context.active = False
             t_exit = time.perf_counter()
@@ -155,6 +177,6 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
     def _reduce(bucket) -> torch.futures.Future:
         if ctx.user_hook is not None:
             return ctx.user_hook(ctx.user_state, bucket)
-        return _launch_average(ctx.process_group, bucket).then(lambda f: f.value()[0])
+        return _launch_average(ctx, bucket).then(lambda f: f.value()[0])
 
     return rankscope_comm_hook

@@ -13,10 +13,12 @@ by that step's ``param_digest``.
 
 What runs on the training thread is bookkeeping of a few microseconds, the
 DDP reduction going through a Python communication hook (the only place the
-local, pre-reduction gradient can be seen), and two device passes (the local
-gradient norm in that hook and the parameter digest after the step);
-conversions that could wait for a device, hashing and serialization happen on
-the sender thread (docs/collectors.md has measured figures). No hook ever
+local, pre-reduction gradient can be seen) and the local gradient norm in that
+hook. The reduced norm runs in the reduction's completion callback, the
+parameter digest on a worker thread between one optimizer step and the next
+(``collectors/digest_worker.py``); conversions that could wait for a device,
+hashing and serialization happen on the sender thread (docs/collectors.md has
+measured figures). No hook ever
 raises into training: a failure of the collector's own bookkeeping is logged
 at debug level and the step goes on.
 """
@@ -36,7 +38,7 @@ import torch
 from collectors.beat import BeatThread
 from collectors.config import CollectorConfig
 from collectors.ddp_hook import HookContext, make_ddp_hook, tensor_norm_stats
-from collectors.digest import lazy_digest
+from collectors.digest_worker import make_digester
 from collectors.dist_wrap import DistPatch
 from collectors.sender import Sender, SenderStats
 from collectors.sinks import make_sink
@@ -74,6 +76,7 @@ class RankCollector:
         self._dist_patch: DistPatch | None = None
         self._beat: BeatThread | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._digester: Any = None  # digest_worker.DigestWorker or InlineDigest
         self._pending: dict | None = None
         self._tokens_reported = False
         self._closed = False
@@ -182,6 +185,12 @@ class RankCollector:
                     f"({exc}); DDP allows one hook: pass yours as comm_hook= instead"
                 ) from None
             self._hook_ctx = ctx
+        if self.config.digest_every_steps:
+            self._digester = make_digester(
+                self._params,
+                background=self.config.digest_in_background,
+                name=f"rankscope-digest-{self.identity.rank}",
+            )
         if optimizer is not None:
             self._optimizer = optimizer
             self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
@@ -287,6 +296,8 @@ class RankCollector:
                 self._dist_patch.uninstall()
             if self._beat is not None:
                 self._beat.stop()
+            if self._digester is not None:
+                self._digester.close()
             if callable(getattr(self.control, "close", None)):
                 self.control.close()
             self._emit_pending()
@@ -311,6 +322,8 @@ class RankCollector:
             st = self.state
             if self._pending is not None:
                 self._emit_pending()
+            if self._optimizer is None and self._digester is not None:
+                self._digester.join()  # rc.step() loops: the optimizer runs after backward
             if st.first_forward_perf is None:
                 st.first_forward_perf = time.perf_counter()
             if not self._tokens_reported:
@@ -328,6 +341,8 @@ class RankCollector:
     def _on_optimizer_pre(self, optimizer, args, kwargs) -> None:
         try:
             self.state.phase = "optimizer"
+            if self._digester is not None:
+                self._digester.join()  # the step is about to change the parameters
             self._fallback_grad_stats()
         except Exception as exc:
             log.debug("optimizer pre-hook failed: %s", exc)
@@ -393,8 +408,8 @@ class RankCollector:
         comm_s = min(st.comm_s + st.backward_wait_s(), max(0.0, step_s - data_s))
         every = self.config.digest_every_steps
         digest = None
-        if every and st.step % every == 0:
-            digest = lazy_digest(self._params)
+        if every and st.step % every == 0 and self._digester is not None:
+            digest = self._digester.start()
         lr = None
         if self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")

@@ -31,6 +31,8 @@ import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -164,6 +166,8 @@ class StepAssembler:
         wall = self.cfg.clock == "wall"
         if wall and now is None:
             now = time.time()
+        if recs and self._add_step_run(recs, now, wall):
+            return
         j = p = None
         job = step = None
         max_world = self.cfg.max_world
@@ -206,6 +210,66 @@ class StepAssembler:
                     c.checks.append(rec)
             elif kind == "gpu":
                 j.gpu.observe(rec)
+
+    def _add_step_run(self, recs: list[dict], now: float | None, wall: bool) -> bool:
+        """``add_records`` for the common batch, ``step`` records of one job, with whole-array
+        operations: the same counters, clocks, marks and record order as the record loop.
+
+        Returns False (nothing changed) for any other batch; the loop takes it then.
+        """
+        if set(map(dict.get, recs, repeat("type"))) != {"step"}:
+            return False
+        if len(set(map(itemgetter("job"), recs))) != 1:
+            return False
+        n = len(recs)
+        try:
+            t = np.array(list(map(dict.get, recs, repeat("t"))), dtype=np.float64)
+            rank = np.fromiter(map(itemgetter("rank"), recs), np.int64, n)
+            world = np.fromiter(map(itemgetter("world"), recs), np.int64, n)
+            step = np.fromiter(map(itemgetter("step"), recs), np.int64, n)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return False
+        if t.ndim != 1:
+            return False
+        j = self._job(recs[0]["job"])
+        # the job clocks after each record (NaN never advances them)
+        step_clock = np.fmax.accumulate(np.concatenate(([j.step_clock], t)))
+        latest = float(step_clock[-1])
+        if latest > j.clock:
+            j.clock = latest
+        j.step_clock = latest
+        ok = (rank >= 0) & (rank < world) & (world <= self.cfg.max_world)
+        acc = np.flatnonzero(ok)
+        if acc.size < n:
+            j.stats["refused"] += n - acc.size
+        if acc.size == 0:
+            return True
+        s = step[acc]
+        cuts = np.flatnonzero(s[1:] != s[:-1]) + 1
+        bounds = [0, *cuts.tolist(), acc.size]
+        whole = acc.size == n
+        for a, b in zip(bounds[:-1], bounds[1:], strict=False):
+            first = int(acc[a])
+            j.world = int(world[first])
+            p = self._pending(j, int(s[a]), now if wall else float(step_clock[first + 1]))
+            if p is None:
+                if b - a > 1:
+                    j.stats["late"] += b - a - 1  # _pending counted one
+                continue
+            idx = acc[a:b]
+            top = int(world[idx].max())
+            if len(p.flags) < top:
+                p.grow(top)
+            ranks = np.unique(rank[idx])
+            new = ranks[~p.seen[ranks]]
+            p.seen[new] = True
+            p.count += new.size
+            if b - a > new.size:
+                j.stats["duplicates"] += b - a - new.size
+            p.recs.extend(recs[a:b] if whole else [recs[i] for i in idx.tolist()])
+            j.stats["records"] += b - a
+        j.world = int(world[acc[-1]])
+        return True
 
     def add_table(self, table, now: float | None = None) -> list[tuple[int, str]]:
         """Take an Arrow table of ``step`` records; returns ``(row, reason)`` of refused rows.

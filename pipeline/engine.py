@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -191,7 +192,9 @@ class Engine:
     def feed(self, records: list[dict], now: float | None = None) -> list[Finding]:
         """Take validated records of any type; return findings new or changed by them."""
         now = self._now(now)
-        if self.beat_monitor_factory is not None:
+        if self.beat_monitor_factory is not None and "beat" in set(
+            map(dict.get, records, repeat("type"))
+        ):
             beats: dict[str, list[dict]] = {}
             for rec in records:
                 if rec.get("type") == "beat":

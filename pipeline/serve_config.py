@@ -40,6 +40,10 @@ class ServeConfig:
     """Record every step's detection latency in the stats (benchmarks)."""
     feed_records: int = 4096
     """Records handed to the engine at once: larger amortizes, smaller detects sooner."""
+    store_interval_s: float = 0.5
+    """Updated findings are stored and published at most this often (each store is a
+    DuckDB commit, a disk sync); an evict/recover to announce, a dead letter or a
+    checkpoint writes at once, and a checkpoint always follows the findings before it."""
 
     def __post_init__(self) -> None:
         KafkaBus(self.bus)  # raises ValueError with the reason
@@ -55,6 +59,8 @@ class ServeConfig:
             raise ValueError(f"serve: session_timeout_s={self.session_timeout_s} not in 6..300")
         if self.max_poll_messages < 1 or self.feed_records < 1:
             raise ValueError("serve: max_poll_messages and feed_records must be >= 1")
+        if self.store_interval_s < 0:
+            raise ValueError(f"serve: store_interval_s must be >= 0, got {self.store_interval_s}")
         if self.idle_exit_s is not None and self.idle_exit_s <= 0:
             raise ValueError("serve: idle_exit_s must be > 0")
 

@@ -8,6 +8,8 @@ every step read so far is built.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import orjson
 
 __all__ = ["PartitionState"]
@@ -43,6 +45,15 @@ class PartitionState:
 
     def note_steps(self, recs: list[dict], start: int, offset: int, now: float) -> None:
         """Remember where (offset) and when records of each step arrived."""
+        part = recs[start:] if start else recs
+        if "beat" not in set(map(itemgetter("type"), part)):
+            # the usual message: no beats, so every record names its step (C-level passes)
+            for key in dict.fromkeys(map(itemgetter("job", "step"), part)):
+                self.arrival[key] = now
+                self.waiting[key] = now
+                if key not in self.open_steps:
+                    self.open_steps[key] = offset
+            return
         last = None
         for i in range(start, len(recs)):
             rec = recs[i]

@@ -111,6 +111,8 @@ class Service:
         self._announcer = None
         self._last_checkpoint = time.monotonic()
         self._pending_findings: list = []
+        self._pending_control: list[dict] = []  # signed, not yet published
+        self._last_store = time.monotonic()
         self._pending_dead: list[tuple] = []
         self._latency_seen: set[str] = set()
         self._delivered: list[dict] = []  # control messages sent, not yet marked in DuckDB
@@ -300,6 +302,8 @@ class Service:
             if arrived is not None:  # from the step's last record to its finding
                 self.stats.detect_latency_s.append(max(0.0, time.time() - arrived))
         self._pending_findings.extend(findings)
+        if self._announcer is not None:  # an action to announce makes the next write due
+            self._pending_control.extend(self._announcer.messages(findings))
         self.stats.findings += len(findings)
 
     def _dead(self, tp, offset: int, idx: int, reason: str, value: bytes | None) -> None:
@@ -308,15 +312,22 @@ class Service:
         self.stats.deadletters += 1
 
     def _write(self, *, force_checkpoint: bool = False) -> None:
-        """Store, publish, and (when due) checkpoint and commit, in that order."""
-        due = force_checkpoint or (
-            time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_interval_s
-        )
-        if not (self._pending_findings or self._pending_dead or due):
+        """Store, publish, and (when due) checkpoint and commit, in that order.
+
+        Updated findings wait up to ``store_interval_s`` (a store costs a commit,
+        so writing every loop turn would cap throughput); control messages, dead
+        letters and checkpoints go at once, each after the findings before them."""
+        mono = time.monotonic()
+        due = force_checkpoint or mono - self._last_checkpoint >= self.cfg.checkpoint_interval_s
+        store_due = mono - self._last_store >= self.cfg.store_interval_s
+        if not (
+            (self._pending_findings and store_due) or self._pending_control or self._pending_dead
+            or due
+        ):  # fmt: skip
             return
-        findings, dead = self._pending_findings, self._pending_dead
-        self._pending_findings, self._pending_dead = [], []
-        control = self._announcer.messages(findings) if self._announcer else []
+        self._last_store = mono
+        findings, dead, control = self._pending_findings, self._pending_dead, self._pending_control
+        self._pending_findings, self._pending_dead, self._pending_control = [], [], []
         checkpoint, commit, scores, jobs = [], {}, [], []
         if due:
             checkpoint, commit = self._checkpoint_rows()
@@ -333,9 +344,23 @@ class Service:
         if due:
             self._producer.flush(timeout=30)
             if commit:
-                self._consumer.commit(commit)
+                self._commit(commit)
             self._last_checkpoint = time.monotonic()
             self.stats.checkpoints += 1
+
+    def _commit(self, offsets) -> None:
+        """Commit offsets to Kafka; a group rebalancing meanwhile defers it to the next
+        checkpoint (nothing is lost: an owner resumes from the DuckDB checkpoint, whose
+        offsets are at or past the last ones committed)."""
+        from kafka import errors as kerr
+
+        try:
+            self._consumer.commit(offsets)
+        except (
+            kerr.CommitFailedError, kerr.IllegalGenerationError, kerr.RebalanceInProgressError,
+            kerr.UnknownMemberIdError,
+        ) as exc:  # fmt: skip
+            log.warning("offset commit deferred to the next checkpoint: %s", exc)
 
     def _checkpoint_rows(self):
         from kafka.structs import OffsetAndMetadata, TopicPartition

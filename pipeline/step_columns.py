@@ -11,6 +11,9 @@ and computes the peer groups.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import itemgetter
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,37 +39,68 @@ def _object_array(values: list) -> np.ndarray:
     return out
 
 
+def _numbers(recs: list[dict], names: list[str]) -> np.ndarray:
+    """Fields ``names`` of every record as float64 rows ``[field, record]`` (absent: NaN).
+
+    One C-level pass (``itemgetter`` over all names) when every record carries
+    them all, the usual case; else one ``dict.get`` pass a field.
+    """
+    out = np.empty((len(names), len(recs)), dtype=np.float64)
+    if not names:
+        return out
+    try:
+        rows = np.array(list(map(itemgetter(*names), recs)), dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        rows = None
+    if rows is not None and rows.shape == ((len(recs), len(names)) if len(names) > 1 else
+                                           (len(recs),)):  # fmt: skip
+        out[:] = rows.reshape(len(recs), len(names)).T
+        return out
+    for i, name in enumerate(names):
+        out[i] = np.array(list(map(dict.get, recs, repeat(name))), dtype=np.float64)
+    return out
+
+
+def _strings_of(recs: list[dict], name: str) -> np.ndarray:
+    """A string field (validated: str or absent) as an object array."""
+    return np.array(list(map(dict.get, recs, repeat(name))), dtype=object)
+
+
 def chunk_from_records(recs: list[dict]) -> dict[str, np.ndarray]:
     """Columns of validated ``step`` records (absent numbers NaN, absent coords -1).
 
     Only fields some record carries are read record by record (the union of
-    keys is one C-level pass); the rest are filled whole.
+    keys is one C-level pass), all numeric ones in one ``itemgetter`` pass;
+    the rest are filled whole.
     """
     n = len(recs)
     present = set().union(*recs)
     ch: dict[str, np.ndarray] = {
-        "rank": np.array([r["rank"] for r in recs], dtype=np.int64),
-        "world": np.array([r["world"] for r in recs], dtype=np.int64),
-        "host": np.array([r["host"] for r in recs], dtype=object),
+        "rank": np.fromiter(map(itemgetter("rank"), recs), np.int64, n),
+        "world": np.fromiter(map(itemgetter("world"), recs), np.int64, n),
+        "host": _strings_of(recs, "host"),
     }
     ch["param_digest"] = (
-        np.array([r.get("param_digest") for r in recs], dtype=object)
+        _strings_of(recs, "param_digest")
         if "param_digest" in present
         else np.full(n, None, dtype=object)
     )
+    coords = [c for c in COORD_NAMES if c in present]
+    metrics = [m for m in METRIC_COLUMNS if m in present]
+    cols = _numbers(recs, coords + metrics)
+    for i, c in enumerate(coords):
+        v = cols[i]
+        ch[c] = np.where(np.isnan(v), -1, v).astype(np.int64)
     for c in COORD_NAMES:
-        if c in present:
-            v = np.array([r.get(c) for r in recs], dtype=np.float64)
-            ch[c] = np.where(np.isnan(v), -1, v).astype(np.int64)
-        else:
+        if c not in ch:
             ch[c] = np.full(n, -1, dtype=np.int64)
+    for i, m in enumerate(metrics, start=len(coords)):
+        ch[m] = cols[i]
     for m in METRIC_COLUMNS:
-        if m in present:
-            ch[m] = np.array([r.get(m) for r in recs], dtype=np.float64)
-        else:
+        if m not in ch:
             ch[m] = np.full(n, np.nan)
     if "collectives" in present:
-        ch["collectives"] = _object_array([r.get("collectives") for r in recs])
+        ch["collectives"] = _object_array(list(map(dict.get, recs, repeat("collectives"))))
     return ch
 
 

@@ -235,9 +235,11 @@ def test_beats_keep_coming_while_a_rank_is_blocked(run):
         if rank == BLOCK_RANK:
             continue
         # peers: waiting in the gradient all-reduce the blocked rank has not entered
-        waiting = [b for b in beats[rank] if b["phase"] == "collective"]
-        assert len(waiting) >= 5, [b["phase"] for b in beats[rank]]
-        assert all(b["coll_group"] == "dp" and b["coll_done"] is False for b in waiting)
+        # (a beat may also land in the loop's short world barrier that opens step 8)
+        waiting = [b for b in beats[rank] if b["phase"] == "collective"
+                   and b["coll_group"] == "dp"]  # fmt: skip
+        assert len(waiting) >= 5, [(b["phase"], b.get("coll_group")) for b in beats[rank]]
+        assert all(b["coll_done"] is False for b in waiting), waiting
 
 
 def _mesh_worker(rank: int, world: int, tmp: str) -> None:
