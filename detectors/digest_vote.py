@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from detectors.frame import StepFrame
-from detectors.peers import PeerCache
 from detectors.signal import DetectorOutput, Signal
-from detectors.vote import Vote, vote
+from detectors.vote import ReplicaState, Vote, vote
 
 __all__ = ["DigestVoteConfig", "DigestVoteState", "detect"]
 
@@ -46,23 +45,10 @@ class DigestVoteConfig:
             raise ValueError("max_signals_per_step must be >= 1")
 
 
-class DigestVoteState:
+class DigestVoteState(ReplicaState):
     """Peer index cache and the groups seen unanimous (known replicas)."""
 
-    __slots__ = ("peers", "replicated")
-
-    def __init__(self, cfg: DigestVoteConfig | None = None) -> None:
-        self.peers = PeerCache()
-        self.replicated: set[int] = set()
-
-    def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
-        """No baseline: equality needs none."""
-
-    def state_dict(self) -> dict:
-        return {"replicated": sorted(self.replicated)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.replicated = {int(g) for g in d.get("replicated", [])}
+    __slots__ = ()
 
 
 def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> DetectorOutput:

@@ -23,8 +23,8 @@ import numpy as np
 
 from detectors.evidence import metric_evidence, num
 from detectors.frame import StepFrame
-from detectors.peers import PeerCache
 from detectors.signal import DetectorOutput, Signal
+from detectors.vote import ReplicaState
 
 __all__ = ["ReducedGradConfig", "ReducedGradState", "detect"]
 
@@ -43,23 +43,10 @@ class ReducedGradConfig:
             raise ValueError("rel_tol must be in [0, 0.1)")
 
 
-class ReducedGradState:
+class ReducedGradState(ReplicaState):
     """Peer index cache and the groups seen agreeing (known replicas)."""
 
-    __slots__ = ("peers", "replicated")
-
-    def __init__(self, cfg: ReducedGradConfig | None = None) -> None:
-        self.peers = PeerCache()
-        self.replicated: set[int] = set()
-
-    def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
-        """No baseline: equality needs none."""
-
-    def state_dict(self) -> dict:
-        return {"replicated": sorted(self.replicated)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.replicated = {int(g) for g in d.get("replicated", [])}
+    __slots__ = ()
 
 
 def detect(frame: StepFrame, state: ReducedGradState, cfg: ReducedGradConfig) -> DetectorOutput:

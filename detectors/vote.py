@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["Vote", "vote"]
+from detectors.peers import PeerCache
+
+__all__ = ["Vote", "vote", "ReplicaState"]
 
 
 @dataclass(slots=True)
@@ -48,3 +50,25 @@ def vote(values: list) -> Vote:
         out.winner = top
         out.minority = [i for i, v in enumerate(values) if v is not None and v != top]
     return out
+
+
+class ReplicaState:
+    """State of an equality vote: the peer index cache and the peer groups seen
+    unanimous at least once (known replicas; a group that never agreed may not
+    be replicas at all, e.g. a sharded layout the coordinates do not show)."""
+
+    __slots__ = ("peers", "replicated")
+
+    def __init__(self, cfg=None) -> None:
+        self.peers = PeerCache()
+        self.replicated: set[int] = set()
+
+    def learn(self, frame, clean_mask) -> None:
+        """No baseline: equality needs none."""
+
+    def state_dict(self) -> dict:
+        return {"replicated": sorted(self.replicated)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.replicated = {int(g) for g in d.get("replicated", [])}
+
