@@ -21,6 +21,9 @@ def _broker(cmd: str) -> None:
         raise RuntimeError(f"scripts/kafka {cmd} failed: {done.stderr[-2000:]}")
 
 
+# Known flake on a loaded machine (the gap is sometimes not yet counted when the
+# check runs); rerun until its root cause is fixed, see the issue note.
+@pytest.mark.flaky(reruns=2)
 def test_training_goes_on_while_the_broker_is_down(kafka_url):  # noqa: F811
     import torch
 
