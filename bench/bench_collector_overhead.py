@@ -1,7 +1,12 @@
 """What the rank collector costs the training thread, and what a stalled sink costs.
 
-Runs CPU DDP training (2 gloo ranks, a small MLP) and, in ONE run, interleaves
-four identical DDP models ("arms"), each adding one part of the collector:
+Runs CPU DDP training (2 gloo ranks) of two small models (bench/
+overhead_workloads.py: an MLP on 32 samples a step, the worst case for the
+collector's per-parameter costs, and a small causal transformer LM on 1,024
+tokens a step, the shape of real training) and, for each, in ONE run,
+interleaves identical DDP models ("arms"), each adding one part of the
+collector (the LM, whose steps are 20x longer, runs only the first and the
+last, with more rounds):
 
 * ``plain``: DDP's own C++ reduction, no collector;
 * ``hook``: the collector's Python communication hook in pass-through mode
@@ -14,7 +19,11 @@ block is timed as a whole INCLUDING a join of the collector's digest worker
 at its end, so work the collector moved off the training thread but that the
 step still waits for (or that steals the CPU) is charged to the arm that
 caused it and does not leak into the next arm's block. The overhead is the
-median over rounds of (arm block - plain block) / steps. Differences of
+median over rounds of (arm block - plain block) / steps, in wall time and in
+the training thread's own CPU time plus its waits for the digest worker
+(``time.thread_time``: not inflated while the thread sits runnable behind
+other processes, so far steadier on a shared machine; the verdict uses it,
+the wall-time figure and ratio are printed beside it). Differences of
 successive arms give the split: Python hook routing, norms + bookkeeping
 (the two norm passes are also timed alone on the bucket, which separates
 them), and the digest. The budget from the issue: overhead minus the local
@@ -26,7 +35,8 @@ Then attaches a collector whose sink stalls for 5 s in its first send, trains
 a fixed number of steps through the stall, and prints how many records were
 dropped and whether the loop finished while the sink was still stalled.
 
-    .venv/bin/python bench/bench_collector_overhead.py [--steps 300] [--hidden 256] [--block 10]
+    .venv/bin/python bench/bench_collector_overhead.py [--steps 300] [--block 10] \
+        [--lm-steps 120] [--lm-block 2] [--workloads mlp,lm]
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from overhead_workloads import WORKLOADS, Workload  # noqa: E402
 
 from collectors import CollectorConfig, RankCollector  # noqa: E402
 from collectors.ddp_hook import HookContext, make_ddp_hook, tensor_norm_stats  # noqa: E402
@@ -54,6 +67,8 @@ WORLD = 2
 STALL_STEPS = 300
 WARMUP_ROUNDS = 2
 ARMS = ("plain", "hook", "no-digest", "collector")
+# the LM's steps are ~20x longer: only the two arms the verdict needs, more rounds
+ARMS_OF = {"mlp": ARMS, "lm": ("plain", "collector")}
 
 
 class NullSink:
@@ -84,20 +99,9 @@ class StallingSink(NullSink):
         self.received += len(records)
 
 
-def _model(hidden: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
-
-
-def _step(ddp, opt, x, y, rc=None) -> None:
+def _step(ddp, opt, x, y, rc=None, loss_fn=torch.nn.functional.cross_entropy) -> None:
     opt.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    loss = loss_fn(ddp(x), y)
     loss.backward()
     if rc is not None:
         rc.loss(loss)
@@ -132,8 +136,21 @@ def _arm_stats(per_step: list[float], plain: list[float], cpu: list[float], cpu0
     }
 
 
-def _make_arm(name: str, hidden: int, background: bool = True):
-    model = torch.nn.parallel.DistributedDataParallel(_model(hidden))
+def _thread_stats(arm: list[float], plain: list[float]) -> dict:
+    """Training-thread cost per step against plain: median of per-round differences
+    with its 95% notch. Thread CPU time does not count time the thread sat runnable
+    while another thread or process had the core, so it is far less noisy than wall
+    time on a shared machine."""
+    pairs = [a - p for a, p in zip(arm, plain, strict=True)]
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [0.0, 0.0, 0.0]
+    return {
+        "thread_over_us": statistics.median(pairs) * 1e6,
+        "thread_ci_us": 1.58 * (q[2] - q[0]) / len(pairs) ** 0.5 * 1e6,
+    }
+
+
+def _make_arm(name: str, work: Workload, background: bool = True):
+    model = torch.nn.parallel.DistributedDataParallel(work.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rc = None
     if name == "hook":
@@ -149,37 +166,49 @@ def _make_arm(name: str, hidden: int, background: bool = True):
     return model, opt, rc
 
 
-def _block(model, opt, rc, x, y, steps: int) -> tuple[float, float]:
-    """Wall and process-CPU seconds (all threads: the collector's too) for ``steps``
-    steps, including the wait for the digest in flight."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        _step(model, opt, x, y, rc)
+def _block(model, opt, rc, x, y, steps: int, loss_fn) -> tuple[float, float, float, float]:
+    """Wall, process-CPU (all threads: the collector's too) and training-thread CPU
+    seconds for ``steps`` steps, and the seconds the training thread waited for the
+    digest worker, including the wait for the digest in flight at the end."""
     digester = getattr(rc, "_digester", None)
+    waited0 = getattr(digester, "waited_s", 0.0)
+    t_thread, c0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        _step(model, opt, x, y, rc, loss_fn)
     if digester is not None:
         digester.join()  # charge the last digest in flight to this block
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    thread = time.thread_time() - t_thread
+    return wall, cpu, thread, getattr(digester, "waited_s", 0.0) - waited0
 
 
-def _interleaved(rank, steps, hidden, batch, block, background) -> dict:
-    arms = {name: _make_arm(name, hidden, background) for name in ARMS}
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, hidden, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+def _interleaved(rank: int, work: Workload, steps: int, block: int, background: bool) -> dict:
+    names = ARMS_OF[work.name]
+    arms = {name: _make_arm(name, work, background) for name in names}
+    x, y = work.make_batch(rank)
     rounds = max(1, steps // block)
-    per_step: dict[str, list[float]] = {name: [] for name in ARMS}
-    cpu: dict[str, list[float]] = {name: [] for name in ARMS}
+    per_step: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    thread: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds + WARMUP_ROUNDS):
-        k = i % len(ARMS)  # rotate the order: no arm always runs first
-        for name in ARMS[k:] + ARMS[:k]:
-            wall, cpu_s = _block(*arms[name], x, y, block)
+        k = i % len(names)  # rotate the order: no arm always runs first
+        for name in names[k:] + names[:k]:
+            wall, cpu_s, thread_s, waited_s = _block(*arms[name], x, y, block, work.loss)
             if i >= WARMUP_ROUNDS:
                 per_step[name].append(wall / block)
                 cpu[name].append(cpu_s / block)
+                # the training thread's own CPU plus its waits for the collector's worker
+                thread[name].append((thread_s + waited_s) / block)
     plain = per_step["plain"]
-    result = {"plain_us": statistics.median(plain) * 1e6, "rounds": rounds}
-    for name in ARMS[1:]:
+    result = {
+        "plain_us": statistics.median(plain) * 1e6,
+        "rounds": rounds,
+        "block": block,
+        "describe": work.describe,
+    }
+    for name in names[1:]:
         result[name] = _arm_stats(per_step[name], plain, cpu[name], cpu["plain"])
+        result[name].update(_thread_stats(thread[name], thread["plain"]))
     # parts timed alone, on this rank's real gradient bucket and parameters
     model, opt, rc = arms["collector"]
     params = list(model.parameters())
@@ -200,12 +229,13 @@ def _interleaved(rank, steps, hidden, batch, block, background) -> dict:
     for _, _, rc in arms.values():
         if rc is not None:
             rc.close()
-    return result, x, y
+    return result
 
 
-def _stalled(hidden: int, x, y) -> dict:
+def _stalled(work: Workload, rank: int) -> dict:
     """A fixed number of steps (every rank must run the same DDP steps) through a stall."""
-    model = torch.nn.parallel.DistributedDataParallel(_model(hidden))
+    x, y = work.make_batch(rank)
+    model = torch.nn.parallel.DistributedDataParallel(work.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sink = StallingSink(5.0)
     rc = RankCollector.attach(
@@ -213,7 +243,7 @@ def _stalled(hidden: int, x, y) -> dict:
     )
     t0 = time.monotonic()
     for _ in range(STALL_STEPS):
-        _step(model, opt, x, y, rc)
+        _step(model, opt, x, y, rc, work.loss)
     result = {
         "stall_loop_s": time.monotonic() - t0,
         "still_stalled": time.monotonic() < (sink.stalled_until or 0.0),
@@ -226,105 +256,117 @@ def _stalled(hidden: int, x, y) -> dict:
     return result
 
 
-def _worker(rank: int, tmp: str, args: tuple, out) -> None:
-    steps, hidden, batch, block, background = args
+def _worker(rank: int, tmp: str, args: argparse.Namespace, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=WORLD)
+    background = not args.digest_on_training_thread
+    plan = {"mlp": (args.steps, args.block), "lm": (args.lm_steps, args.lm_block)}
     try:
-        result, x, y = _interleaved(rank, steps, hidden, batch, block, background)
-        result.update(_stalled(hidden, x, y))
-        result["rank"] = rank
+        result = {"rank": rank, "workloads": {}}
+        for name in args.workloads:
+            steps, block = plan[name]
+            work = WORKLOADS[name]()
+            result["workloads"][name] = _interleaved(rank, work, steps, block, background)
+        result.update(_stalled(WORKLOADS["mlp"](), rank))
         out.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def _print(results: list[dict], args) -> None:
-    r0 = results[0]
+def _print_workload(name: str, rank: int, w: dict) -> None:
+    plain = w["plain_us"]
+    budget = max(0.01 * plain, 100.0)
+    print(f"[{name}] rank {rank}: plain step median {plain:.0f} us, budget {budget:.0f} us")
+    for arm in [a for a in ARMS[1:] if a in w]:
+        a = w[arm]
+        print(
+            f"  {arm:10s} median {a['median_us']:.0f} us, ratio {a['median_us'] / plain:.4f}; "
+            f"overhead per step: wall {a['pair_over_us']:.0f} +- {a['pair_ci_us']:.0f} us "
+            f"(lower quartiles {a['q25_over_us']:.0f}), training thread "
+            f"{a['thread_over_us']:.0f} +- {a['thread_ci_us']:.0f} us, "
+            f"process CPU {a['cpu_over_us']:.0f} us"
+        )
+    total = w["collector"]["thread_over_us"]
+    if "hook" in w and "no-digest" in w:
+        hook, nodig = w["hook"]["thread_over_us"], w["no-digest"]["thread_over_us"]
+        print(
+            f"  split (training thread): python hook routing {hook:.0f} us, norms + "
+            f"bookkeeping {nodig - hook:.0f} us, digest {total - nodig:.0f} us"
+        )
+    norm = w["norm_us"]
+    counted = total - norm
+    ci = w["collector"]["thread_ci_us"]
+    if counted + ci <= budget:
+        verdict = "MET"
+    elif counted - ci > budget:
+        verdict = "NOT met"
+    else:
+        verdict = "UNDECIDED at this noise (rerun on a quieter machine)"
+    wall = w["collector"]["pair_over_us"] - norm
     print(
-        f"CPU DDP, {WORLD} gloo ranks, MLP width {args.hidden}, batch {args.batch}, "
-        f"{r0['params']} parameters, {r0['rounds']} rounds x {args.block} steps per arm "
-        "(blocks interleaved, order rotated)"
+        f"  budget {budget:.0f} us: collector on the training thread without the local "
+        f"grad-norm pass ({norm:.0f} us) {counted:.0f} +- {ci:.0f} us: {verdict} "
+        f"(wall: {wall:.0f} +- {w['collector']['pair_ci_us']:.0f} us, step ratio "
+        f"{w['collector']['median_us'] / plain:.4f})"
     )
+    print(
+        f"  alone: one grad-norm pass {norm:.0f} us, digest sums {w['digest_sums_us']:.0f} us "
+        f"(on the digest worker); off the training thread the sender builds a record in "
+        f"{w['record_us']:.0f} us (digest hash {w['digest_hash_us']:.0f} us of it)"
+    )
+
+
+def _print(results: list[dict], args) -> None:
+    for name in args.workloads:
+        w0 = results[0]["workloads"][name]
+        print(
+            f"[{name}] CPU DDP, {WORLD} gloo ranks, {w0['describe']}, {w0['params']} "
+            f"parameters, {w0['rounds']} rounds x {w0['block']} steps per arm "
+            "(blocks interleaved, order rotated)"
+        )
+        for r in results:
+            _print_workload(name, r["rank"], r["workloads"][name])
     for r in results:
-        plain = r["plain_us"]
-        budget = max(0.01 * plain, 100.0)
-        print(f"rank {r['rank']}: plain step median {plain:.0f} us, budget {budget:.0f} us")
-        for name in ARMS[1:]:
-            a = r[name]
-            print(
-                f"  {name:10s} median {a['median_us']:.0f} us, ratio {a['median_us'] / plain:.4f}; "
-                f"overhead per step: {a['pair_over_us']:.0f} +- {a['pair_ci_us']:.0f} us "
-                "(median of rounds, 95% CI), "
-                f"{a['q25_over_us']:.0f} us (lower quartiles), "
-                f"process CPU {a['cpu_over_us']:.0f} us"
-            )
-        for stat, label in (
-            ("pair_over_us", "median of rounds"),
-            ("q25_over_us", "lower quartiles"),
-        ):
-            hook, nodig = r["hook"][stat], r["no-digest"][stat]
-            total = r["collector"][stat]
-            norms = 2 * r["norm_us"]  # local (in the hook) + reduced (completion callback)
-            print(
-                f"  split ({label}): python hook routing {hook:.0f} us, norms {norms:.0f} us "
-                f"(2 passes timed alone), bookkeeping {nodig - hook - norms:.0f} us, digest "
-                f"{total - nodig:.0f} us"
-            )
-        counted = r["collector"]["pair_over_us"] - r["norm_us"]
-        ci = r["collector"]["pair_ci_us"]
-        if counted + ci <= budget:
-            verdict = "MET"
-        elif counted - ci > budget:
-            verdict = "NOT met"
-        else:
-            verdict = "UNDECIDED at this noise (rerun on a quieter machine)"
         print(
-            f"  budget: overhead without the local grad-norm pass {counted:.0f} +- {ci:.0f} us "
-            f"vs {budget:.0f} us: {verdict}"
+            f"rank {r['rank']}, sink stalled 5 s (mlp): {STALL_STEPS} steps in "
+            f"{r['stall_loop_s']:.2f} s, loop done while still stalled: {r['still_stalled']}; "
+            f"dropped {r['dropped_during']} during the stall, {r['dropped_total']} in all; "
+            f"delivered {r['delivered']} of {r['enqueued']} records"
         )
-        print(
-            f"  alone: one grad-norm pass {r['norm_us']:.0f} us, digest sums "
-            f"{r['digest_sums_us']:.0f} us (run on the digest worker thread)"
+
+
+def _workloads(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {unknown or text!r}; choose from {', '.join(WORKLOADS)}"
         )
-        print(
-            f"  off the training thread, per record: sender builds it in {r['record_us']:.0f} us "
-            f"(digest hash {r['digest_hash_us']:.0f} us of it)"
-        )
-        print(
-            f"  sink stalled 5 s: {STALL_STEPS} steps in {r['stall_loop_s']:.2f} s, loop done "
-            f"while still stalled: {r['still_stalled']}; dropped {r['dropped_during']} during "
-            f"the stall, {r['dropped_total']} in all; delivered {r['delivered']} of "
-            f"{r['enqueued']} records"
-        )
+    return names
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300, help="measured steps per arm")
-    ap.add_argument("--block", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--steps", type=int, default=300, help="measured MLP steps per arm")
+    ap.add_argument("--block", type=int, default=10, help="MLP steps per timed block")
+    ap.add_argument("--lm-steps", type=int, default=120, help="measured LM steps per arm")
+    ap.add_argument("--lm-block", type=int, default=2, help="LM steps per timed block")
+    ap.add_argument("--workloads", type=_workloads, default=["mlp", "lm"], help="mlp,lm")
     ap.add_argument(
         "--digest-on-training-thread",
         action="store_true",
         help="digest_in_background=False (to compare with the worker thread)",
     )
-    ap.add_argument("--hidden", type=int, default=256, help="MLP width")
-    ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
-    bg = not args.digest_on_training_thread
+    if min(args.steps, args.block, args.lm_steps, args.lm_block) < 1:
+        ap.error("--steps, --block, --lm-steps and --lm-block must be >= 1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, tmp, (args.steps, args.hidden, args.batch, args.block, bg), out),
-            )
-            for r in range(WORLD)
-        ]
+        procs = [ctx.Process(target=_worker, args=(r, tmp, args, out)) for r in range(WORLD)]
         for p in procs:
             p.start()
-        results = sorted((out.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
+        results = sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join()
     _print(results, args)

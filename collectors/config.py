@@ -30,10 +30,13 @@ class CollectorConfig:
     """How long ``close()`` waits for the sender to drain before giving up (a stalled sink)."""
     digest_every_steps: int = 1
     """Compute ``param_digest`` every this many steps (1 = every step; 0 = never)."""
-    digest_in_background: bool = True
+    digest_in_background: bool | None = None
     """Compute the digest on a worker thread between the optimizer step and the next one
-    (False: on the training thread at the step boundary; for loops that change parameters
-    through ``.data`` between steps, which the worker cannot notice)."""
+    (True), or on the training thread at the step boundary (False). None (default): in
+    the background when a parameter lives on an accelerator (the read is kernels the
+    worker queues), inline when all are on CPU (the read is CPU work wherever it runs,
+    and a hand-off to a Python thread only adds GIL contention). Loops that change
+    parameters through ``.data`` between steps, which the worker cannot notice, set False."""
     ddp_group_name: str = "dp"
     """Group name written for the DDP gradient all-reduce collectives."""
 

@@ -1,30 +1,32 @@
 """``param_digest``: a cheap, full, deterministic fingerprint of the parameters.
 
-The bytes of each parameter tensor are reinterpreted as 64-bit integers
-(any trailing bytes as uint8) and summed, wrapping, into one int64 on the
-tensor's own device: one read of every parameter byte, no host transfer.
-Tensors under 64 KB are concatenated per device and dtype first, so a model
-of many small tensors costs a handful of kernels. The vector of sums is
-hashed (BLAKE2b, 16 hex digits) later on the sender thread.
+The bytes of each parameter tensor are read as 64-bit integer words, counted
+from the tensor's first byte (any trailing bytes as single bytes), and
+summed, wrapping, into one int64. One read of every parameter byte, nothing
+sampled.
 
-Why this and not sampling: a single flipped bit changes the 64-bit word
-that holds it by exactly ``±2**k`` (k < 64), so the wrapped int64 sum changes
-too; a one-bit flip anywhere is therefore seen at the step it happens, which
-a strided sample would miss. Integer addition wraps associatively, so the
+Why this and not sampling: a single flipped bit changes the 64-bit word that
+holds it by exactly ``±2**k`` (k < 64), so the wrapped int64 sum changes too;
+a one-bit flip anywhere is therefore seen at the step it happens, which a
+strided sample would miss. Integer addition wraps associatively, so the
 result does not depend on reduction order: healthy data-parallel replicas,
-which hold bit-identical parameters, get equal digests. What it does not
-catch: two corruptions that cancel exactly in the sum, or a permutation of
-words; neither is what silent data corruption looks like. (Summing int32
-words would be as sensitive but is ~5x slower: torch widens each one.)
+which hold bit-identical parameters laid out the same way, get equal
+digests. What it does not catch: two corruptions that cancel exactly in the
+sum, or a permutation of words; neither is what silent data corruption looks
+like. (Summing int32 words would be as sensitive but is ~5x slower.)
 
-``DigestPlan`` keeps the int64 views of the large tensors from one call to
-the next (they share the parameters' storage, so they always read current
-values) and rebuilds an entry when its parameter was given new storage
-(``p.data = ...``): per step that leaves one ``sum`` per large tensor, one
-``cat`` + ``sum`` per group of small ones and a ``stack``. The collector
-runs it on a background worker (``collectors/digest_worker.py``); measured
-figures are in docs/collectors.md. ``digest_every_steps`` thins it out when
-that is still too much.
+Why numpy on CPU: the sum itself runs at memory speed either way (about 5 µs
+for 256 KB), but the per-step cost of a digest through torch ops was almost
+all dispatch, views and a ``cat`` of the small tensors rebuilt every step,
+60 µs alone and 150 µs inside a training step for a 134k-parameter MLP.
+``DigestPlan`` therefore builds, once, numpy views that share the CPU
+parameters' memory (they always read current values): one int64 word view
+per large tensor and one preallocated buffer that the small tensors' bytes
+are concatenated into per step, so a step is one ``concatenate`` plus one
+``sum`` per large tensor. An entry is rebuilt when its parameter was given
+new storage (``p.data = ...``). Parameters on an accelerator keep torch ops
+on their own device (kernels queued without waiting, stacked per device) and
+are hashed later on the sender thread. Measured figures: docs/collectors.md.
 """
 
 from __future__ import annotations
@@ -32,34 +34,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 __all__ = ["DigestPlan", "digest_sums", "digest_hex"]
 
-# Tensors below this many bytes are concatenated per (device, dtype) and
-# summed once: for small tensors the per-op dispatch cost dominates.
+# CPU tensors below this many bytes are concatenated and summed once: for
+# small tensors the per-call cost dominates the read.
 SMALL_BYTES = 1 << 16
-
-
-def _int_sums(t: torch.Tensor) -> list[torch.Tensor]:
-    """Wrapped int64 sums of the bytes of contiguous ``t``: whole 8-byte words
-    viewed as int64 (the fast path), the < 8 trailing bytes as uint8."""
-    return [v.sum() if v.dtype == torch.int64 else v.sum(dtype=torch.int64) for v in _views(t)]
-
-
-def _views(t: torch.Tensor) -> list[torch.Tensor]:
-    """The int64 word view (and uint8 tail view) of contiguous ``t``, sharing storage
-    when its start is 8-byte aligned (else of an aligned copy)."""
-    if t.storage_offset() * t.element_size() % 8:
-        t = t.clone()  # int64 views need an 8-byte aligned start
-    raw = t.reshape(-1).view(torch.uint8)
-    words = raw.numel() // 8
-    out = []
-    if words:
-        out.append(raw[: words * 8].view(torch.int64))
-    if raw.numel() > words * 8:
-        out.append(raw[words * 8 :])
-    return out
 
 
 def _plain(p: torch.Tensor) -> torch.Tensor:
@@ -72,60 +54,155 @@ def _plain(p: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _np_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of CPU tensor ``t`` as a uint8 numpy array (shares memory when
+    ``t`` is contiguous, else of a contiguous copy)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _np_word_sums(raw: np.ndarray) -> list[np.int64]:
+    """Wrapped int64 sums of ``raw``'s whole 8-byte words and of its trailing bytes."""
+    words = raw.size // 8
+    out = []
+    if words:
+        out.append(raw[: words * 8].view(np.int64).sum(dtype=np.int64))
+    if raw.size > words * 8:
+        out.append(raw[words * 8 :].sum(dtype=np.int64))
+    return out
+
+
+def _torch_word_sums(t: torch.Tensor) -> list[torch.Tensor]:
+    """The same sums with torch ops on ``t``'s own device (no host transfer)."""
+    if t.storage_offset() * t.element_size() % 8 or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)  # int64 views need alignment
+    raw = t.reshape(-1).view(torch.uint8)
+    words = raw.numel() // 8
+    out = []
+    if words:
+        out.append(raw[: words * 8].view(torch.int64).sum())
+    if raw.numel() > words * 8:
+        out.append(raw[words * 8 :].sum(dtype=torch.int64))
+    return out
+
+
+class _CpuEntry:
+    """Numpy views of one large CPU parameter, valid while its storage is the same."""
+
+    __slots__ = ("words", "tail")
+
+    def __init__(self, raw: np.ndarray) -> None:
+        n = raw.size // 8
+        # numpy reads an unaligned int64 view correctly (more slowly): the
+        # words still count from the tensor's first byte, as on every replica
+        self.words = raw[: n * 8].view(np.int64) if n else None
+        self.tail = raw[n * 8 :] if raw.size > n * 8 else None
+
+    def sums(self, out: list) -> None:
+        if self.words is not None:
+            out.append(self.words.sum(dtype=np.int64))
+        if self.tail is not None:
+            out.append(self.tail.sum(dtype=np.int64))
+
+
+class _SmallGroup:
+    """The small CPU parameters, their bytes concatenated into one reused buffer."""
+
+    __slots__ = ("views", "buffer")
+
+    def __init__(self, views: list[np.ndarray]) -> None:
+        self.views = views
+        self.buffer = np.empty(sum(v.size for v in views), dtype=np.uint8)
+
+    def sums(self, out: list) -> None:
+        if len(self.views) == 1:
+            out.extend(_np_word_sums(self.views[0]))
+            return
+        np.concatenate(self.views, out=self.buffer)
+        out.extend(_np_word_sums(self.buffer))
+
+
+def _key(p: torch.Tensor) -> tuple:
+    return (p.data_ptr(), p.numel(), p.dtype)
+
+
 class DigestPlan:
     """The per-step digest work for one fixed list of parameters, views cached."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._params = list(params)
-        # per large parameter: (the (data_ptr, numel) the views were made for, views) or None
-        self._cached: list[tuple[tuple, list[torch.Tensor]] | None] = [None] * len(self._params)
+        self._cpu: list[int] = []  # indices of CPU parameters
+        self._device: list[int] = []  # indices of parameters elsewhere
+        for i, p in enumerate(self._params):
+            (self._cpu if p.device.type == "cpu" else self._device).append(i)
+        self._large: list[_CpuEntry] = []
+        self._small: _SmallGroup | None = None
+        self._shares: bool = False  # every cached view shares its parameter's memory
+        self._keys: list[tuple] = []
 
-    def sums(self) -> list[torch.Tensor]:
-        """Int64 sums over the parameters' bytes, stacked per device (never waits
-        for a device; same result as ``digest_sums`` of the same parameters)."""
+    def sums(self) -> list:
+        """Int64 sums over the parameters' bytes: a numpy array for the CPU ones,
+        a stacked tensor per accelerator (never waits for a device). Same result
+        as ``digest_sums`` of the same parameters."""
+        with torch.no_grad():
+            out: list = []
+            if self._cpu:
+                out.append(self._cpu_sums())
+            if self._device:
+                out.extend(self._device_sums())
+        return out
+
+    def _cpu_sums(self) -> np.ndarray:
+        params = self._params
+        keys = [_key(params[i]) for i in self._cpu]
+        if keys != self._keys or not self._shares:
+            self._rebuild(keys)
+        values: list = []
+        for entry in self._large:
+            entry.sums(values)
+        if self._small is not None:
+            self._small.sums(values)
+        return np.array(values, dtype=np.int64)
+
+    def _rebuild(self, keys: list[tuple]) -> None:
+        """(Re)build the numpy views; kept only while they share the parameters' memory."""
+        self._keys = keys
+        self._large, small, shares = [], [], True
+        for i, key in zip(self._cpu, keys, strict=True):
+            t = _plain(self._params[i])
+            raw = _np_bytes(t)
+            shares = shares and t.data_ptr() == key[0] and raw.ctypes.data == key[0]
+            if raw.size < SMALL_BYTES:
+                small.append(raw)
+            else:
+                self._large.append(_CpuEntry(raw))
+        self._small = _SmallGroup(small) if small else None
+        self._shares = shares
+
+    def _device_sums(self) -> list[torch.Tensor]:
         sums: dict[torch.device, list[torch.Tensor]] = {}
         small: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        cached = self._cached
-        with torch.no_grad():
-            for i, p in enumerate(self._params):
-                entry = cached[i]
-                if entry is not None and entry[0] == (p.data_ptr(), p.numel()):
-                    views = entry[1]
-                else:
-                    t = _plain(p)
-                    if t.numel() * t.element_size() < SMALL_BYTES:
-                        small.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
-                        continue
-                    views = self._views_for(i, t)
-                out = sums.setdefault(views[0].device, [])
-                for v in views:
-                    out.append(v.sum() if v.dtype == torch.int64 else v.sum(dtype=torch.int64))
-            for (device, _), tensors in small.items():
-                flat = torch.cat(tensors) if len(tensors) > 1 else tensors[0].contiguous()
-                sums.setdefault(device, []).extend(_int_sums(flat))
+        for i in self._device:
+            t = _plain(self._params[i])
+            if t.numel() * t.element_size() < SMALL_BYTES:
+                small.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
+            else:
+                sums.setdefault(t.device, []).extend(_torch_word_sums(t))
+        for (device, _), tensors in small.items():
+            flat = torch.cat(tensors) if len(tensors) > 1 else tensors[0].contiguous()
+            sums.setdefault(device, []).extend(_torch_word_sums(flat))
         return [torch.stack(s) for s in sums.values()]
 
-    def _views_for(self, i: int, t: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a large tensor; cached only when they share its storage."""
-        p = self._params[i]
-        shares = t.data_ptr() == p.data_ptr()  # not a converted copy (bool)
-        if shares and t.is_contiguous() and not t.storage_offset() * t.element_size() % 8:
-            views = _views(t)
-            self._cached[i] = ((p.data_ptr(), p.numel()), views)
-            return views
-        self._cached[i] = None
-        return _views(t.contiguous())
 
-
-def digest_sums(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Int64 sums over the parameters' bytes, stacked per device (one-off plan)."""
+def digest_sums(params: Iterable[torch.Tensor]) -> list:
+    """Int64 sums over the parameters' bytes (a one-off plan)."""
     return DigestPlan(params).sums()
 
 
-def digest_hex(stacks: list[torch.Tensor]) -> str:
-    """Hash the stacked sums into 16 hex digits (sender thread: may wait for the device)."""
+def digest_hex(stacks: list) -> str:
+    """Hash the sums into 16 hex digits (sender thread: may wait for the device)."""
     h = hashlib.blake2b(digest_size=8)
     for s in stacks:
-        h.update(s.cpu().numpy().tobytes())
+        if isinstance(s, torch.Tensor):
+            s = s.cpu().numpy()
+        h.update(np.ascontiguousarray(s, dtype=np.int64).tobytes())
     return h.hexdigest()
-

@@ -1,9 +1,11 @@
 """Computing ``param_digest`` off the training thread.
 
 The digest reads every parameter byte once; on the training thread that is
-the largest cost the collector has after the gradient norm. torch's CPU
-kernels release the GIL, so the read can overlap the next step's data
-loading, forward and backward on a background thread. The rule that keeps
+the largest cost the collector has after the gradient norm. Its kernels
+(numpy on CPU, torch on an accelerator) release the GIL, so the read can
+overlap the next step's data loading, forward and backward on a background
+thread (where a core is free: on a CPU host that training fills, the read's
+cost lands on the step wherever it runs; see docs/collectors.md). The rule that keeps
 it correct: the digest must read the parameters as the optimizer step left
 them, so it starts at the step boundary (the optimizer post-hook, after any
 post-hook registered before attach) and the training thread joins it before
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from queue import SimpleQueue
 
 import torch
@@ -79,6 +82,8 @@ class DigestWorker:
         self._plan = DigestPlan(params)
         self._jobs: SimpleQueue = SimpleQueue()
         self._current: DigestJob | None = None
+        self.waited_s = 0.0  # training-thread time spent in join() waiting for the worker
+        self.waits = 0  # joins that had to wait
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -93,8 +98,13 @@ class DigestWorker:
     def join(self) -> None:
         """Wait for the job in flight, if any (training thread, before params change)."""
         job, self._current = self._current, None
-        if job is not None and not job.wait(_RESOLVE_TIMEOUT_S):
+        if job is None or job.wait(0.0):
+            return
+        t0 = time.perf_counter()
+        if not job.wait(_RESOLVE_TIMEOUT_S):
             log.debug("param digest still running after %.0f s", _RESOLVE_TIMEOUT_S)
+        self.waited_s += time.perf_counter() - t0
+        self.waits += 1
 
     def close(self) -> None:
         """Finish the job in flight and stop the thread (bounded waits)."""

@@ -188,7 +188,7 @@ class RankCollector:
         if self.config.digest_every_steps:
             self._digester = make_digester(
                 self._params,
-                background=self.config.digest_in_background,
+                background=_digest_in_background(self.config, self._params),
                 name=f"rankscope-digest-{self.identity.rank}",
             )
         if optimizer is not None:
@@ -442,6 +442,13 @@ class RankCollector:
         p, self._pending = self._pending, None
         if p is not None:
             self._sender.put(lambda: build_step_record(self._base, p))
+
+
+def _digest_in_background(cfg: CollectorConfig, params: list[torch.Tensor]) -> bool:
+    """The configured choice, or (None) background only for accelerator parameters."""
+    if cfg.digest_in_background is not None:
+        return cfg.digest_in_background
+    return any(p.device.type != "cpu" for p in params)
 
 
 def _count_tokens(st, args) -> None:

@@ -28,6 +28,7 @@ from detectors.consensus import Z_CAP, group_min, peer_consensus, strict_majorit
 from detectors.evidence import metric_evidence, num
 from detectors.frame import StepFrame
 from detectors.history import RankHistory
+from detectors.history_state import PartsState
 from detectors.peers import PeerCache
 from detectors.signal import DetectorOutput, Signal
 
@@ -62,10 +63,11 @@ class MetricOutlierConfig:
         return np.array([self.grad_ratio, self.loss_ratio])[:, None]
 
 
-class MetricOutlierState:
+class MetricOutlierState(PartsState):
     """Peer index cache and per-rank clean history of grad_norm and loss."""
 
     __slots__ = ("peers", "history")
+    PARTS = ("history",)
 
     def __init__(self, cfg: MetricOutlierConfig) -> None:
         self.peers = PeerCache()
@@ -73,12 +75,6 @@ class MetricOutlierState:
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
-
-    def state_dict(self) -> dict:
-        return {"history": self.history.state_dict()}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.history.load_state_dict(d["history"])
 
 
 def _own_limit(state, cfg, ranks, i) -> tuple[np.ndarray, np.ndarray]:

@@ -35,12 +35,12 @@ from detectors.consensus import peer_consensus, step_reference_s, strict_majorit
 from detectors.evidence import metric_evidence, num
 from detectors.frame import StepFrame
 from detectors.history import RankHistory
+from detectors.history_state import PartsState, make_window
 from detectors.late_arrival import LastArrivalScan, min_count
 from detectors.late_window import late_residual_hits
 from detectors.peers import PeerCache
 from detectors.persistence import FlagRate, StreakCounter
 from detectors.signal import DetectorOutput, Signal
-from detectors.slow_window import SlowWindow
 
 __all__ = ["NetworkConfig", "NetworkState", "detect"]
 
@@ -103,7 +103,7 @@ class NetworkConfig:
             raise ValueError("window_clip must be > 0")
 
 
-class NetworkState:
+class NetworkState(PartsState):
     """Peer cache, per-rank comm history (evidence), job comm baseline, typical collectives."""
 
     __slots__ = (
@@ -127,6 +127,11 @@ class NetworkState:
         "window",
         "cfg",
     )
+    PARTS = (
+        "history", "job", "lateness", "resid", "scan",
+        "streak", "pair_streak", "rate", "pair_rate", "window",
+    )  # fmt: skip
+    REQUIRED = ("history", "job")
 
     def __init__(self, cfg: NetworkConfig) -> None:
         self.cfg = cfg
@@ -148,12 +153,7 @@ class NetworkState:
         self.pair_streak = StreakCounter()
         self.rate = FlagRate(cfg.history_steps)
         self.pair_rate = FlagRate(cfg.history_steps)
-        self.window = SlowWindow(
-            cfg.window_steps,
-            clip=cfg.window_clip,
-            history=cfg.history_steps,
-            min_steps=cfg.history_min_steps,
-        )
+        self.window = make_window(cfg)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
@@ -187,37 +187,15 @@ class NetworkState:
         self.pending, self.pending_gap, self.pending_job = {}, None, None
 
     def state_dict(self) -> dict:
-        return {
-            "history": self.history.state_dict(),
-            "job": self.job.state_dict(),
-            "typical": {k: list(v) for k, v in self.typical.items()},
-            "gaps": list(self.gaps),
-            "lateness": self.lateness.state_dict(),
-            "resid": self.resid.state_dict(),
-            "scan": self.scan.state_dict(),
-            "streak": self.streak.state_dict(),
-            "pair_streak": self.pair_streak.state_dict(),
-            "rate": self.rate.state_dict(),
-            "pair_rate": self.pair_rate.state_dict(),
-            "window": self.window.state_dict(),
-        }
+        out = super().state_dict()
+        out["typical"] = {k: list(v) for k, v in self.typical.items()}
+        out["gaps"] = list(self.gaps)
+        return out
 
     def load_state_dict(self, d: dict) -> None:
-        self.history.load_state_dict(d["history"])
-        self.job.load_state_dict(d["job"])
+        super().load_state_dict(d)
         self.typical = {str(k): [float(x) for x in v] for k, v in d.get("typical", {}).items()}
         self.gaps = [float(x) for x in d.get("gaps", [])]
-        if "lateness" in d:
-            self.lateness.load_state_dict(d["lateness"])
-        if "resid" in d:
-            self.resid.load_state_dict(d["resid"])
-        if "scan" in d:
-            self.scan.load_state_dict(d["scan"])
-        self.streak.load_state_dict(d.get("streak", {}))
-        self.pair_streak.load_state_dict(d.get("pair_streak", {}))
-        self.rate.load_state_dict(d.get("rate", {}))
-        self.pair_rate.load_state_dict(d.get("pair_rate", {}))
-        self.window.load_state_dict(d.get("window", {}))
 
 
 def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> DetectorOutput:

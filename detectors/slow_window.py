@@ -124,7 +124,9 @@ class SlowWindow:
                 out[enough] = np.nanmean(sub, axis=1)
         return out
 
-    def standardize(self, idx, dev: np.ndarray, count: np.ndarray, rel_sigma: np.ndarray):
+    def standardize(
+        self, idx, dev: np.ndarray, count: np.ndarray, rel_sigma: np.ndarray, *, raw=False
+    ):
         """Per row: centered, clipped z of ``dev`` (deviation from the peer median) and its scale.
 
         ``dev`` over the group's reference sigma, clipped to +-clip, then less the
@@ -133,20 +135,25 @@ class SlowWindow:
         scale is the learnt standard deviation of these z in clean steps (robust
         sigmas understate a skewed spread), so a window's sum over ``sqrt(w) x
         scale`` is standard normal under no fault. Also offers this step's
-        statistics for ``learn``.
+        statistics for ``learn``. With ``raw``, also the same z unclipped (one
+        step's own evidence, for a per-step test), as a third value.
         """
         sigma = idx.rows(self._ref(idx.keys, self.sig, self.sig_n, "median"))
         with np.errstate(invalid="ignore", divide="ignore"):
-            z = np.where(count >= 3, np.clip(dev / sigma, -self.clip, self.clip), np.nan)
+            unclipped = np.where(count >= 3, dev / sigma, np.nan)
+            z = np.clip(unclipped, -self.clip, self.clip)
             mat = idx.matrix(z)
             have = np.isfinite(mat).any(axis=1)
             centre = np.zeros(idx.n_groups)
             centre[have] = np.nanmean(mat[have], axis=1)
-            z = z - idx.rows(centre)
+            centre_rows = idx.rows(centre)
+            z = z - centre_rows
             var_g = np.full(idx.n_groups, np.nan)
             var_g[have] = np.nanmean(np.square(mat[have] - centre[have, None]), axis=1)
         scale = np.sqrt(idx.rows(self._ref(idx.keys, self.zvar, self.var_n, "mean")))
         self.pending = (np.asarray(idx.keys, dtype=np.int64).copy(), rel_sigma, var_g)
+        if raw:
+            return z, scale, unclipped - centre_rows
         return z, scale
 
     def learn(self, clean_frac: float, step: int) -> None:
@@ -221,12 +228,24 @@ class SlowWindow:
             out.z[use], out.steps[use] = best, steps
         return out
 
-    def qualify(self, ranks, scale, held, limit: float, floors):
+    def hold(self, ranks: np.ndarray) -> None:
+        """Name ``ranks`` as if the windows had (another rule confirmed them)."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        ranks = ranks[usable_ranks(ranks)]
+        if ranks.size:
+            self._grow(int(ranks.max()) + 1)
+            self.active[ranks] = True
+
+    def qualify(self, ranks, scale, held, limit: float, floors, hold_floors=None):
         """Per rank: the shortest window whose z clears ``limit`` and that ``floors`` accepts.
 
         ``floors(mean_log_ratio, mean_excess) -> bool array`` is the caller's
         absolute test. A ``held`` rank (already named) qualifies on its longest
-        window by the floors alone. Returns (ok, window length, mean log ratio,
+        window by the floors alone, and, given ``hold_floors`` (the caller's
+        laxer test: hysteresis), on its shortest window by those: just after
+        the onset the long windows still hold the steps before it, and a rank
+        confirmed by its first slow steps must not drop out on the next
+        middling one. Returns (ok, window length, mean log ratio,
         mean excess, window z), NaN / 0 where no window qualifies.
         """
         ranks = np.asarray(ranks, dtype=np.int64)
@@ -242,10 +261,39 @@ class SlowWindow:
             m_lr, m_ex = self.means(ranks, np.full(k, w))
             longest = w == self.lengths[-1]
             with np.errstate(invalid="ignore"):
-                good = ((zw > limit) | (held & longest)) & floors(m_lr, m_ex) & ~ok
+                good = ((zw > limit) | (held & longest)) & floors(m_lr, m_ex)
+                if hold_floors is not None and w == self.lengths[0]:
+                    good |= held & hold_floors(m_lr, m_ex)
+                good &= ~ok
             steps[good], lr[good], ex[good], zs[good] = w, m_lr[good], m_ex[good], zw[good]
             ok |= good
         return ok, steps, lr, ex, zs
+
+    def onset_back(self, ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Per rank: how many of its last ``steps`` readings the evidence run spans.
+
+        A window that names a rank usually starts before the slowness did (the
+        shortest window that clears the limit is 4 steps, the slowness may be
+        2 steps old). The onset is the change point a CUSUM would estimate:
+        the start of the suffix of the window with the largest sum of ``z - d``,
+        ``d`` half the window's mean z (a step before the onset holds z ~ 0 and
+        lowers the sum, a step after it holds ~ 2d and raises it).
+        """
+        ranks = np.asarray(ranks, dtype=np.int64)
+        steps = np.asarray(steps, dtype=np.int64)
+        out = np.maximum(steps, 1)
+        for w in np.unique(steps):
+            sel = np.flatnonzero(steps == w)
+            if w <= 1 or sel.size == 0:
+                continue
+            r = ranks[sel]
+            cols = (self.pos[r][:, None] - 1 - np.arange(int(w))[None, :]) % self.size
+            ok = self.ok[cols, r[:, None]] > 0  # newest first
+            z = np.where(ok, self.zr[cols, r[:, None]], 0.0)
+            drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
+            gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
+            out[sel] = np.argmax(gain, axis=1) + 1
+        return out
 
     def means(self, ranks: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean log ratio, mean excess seconds) over each rank's last ``steps`` readings."""

@@ -7,11 +7,19 @@ Within each peer group a rank is slow when its robust z is high AND it is
 clearly slower in absolute terms: at least ``min_ratio`` x the peer median,
 ``min_excess_s`` more, and an excess worth ``min_excess_step_frac`` of the
 step (a 3 ms data hiccup in a 2 s step slows nobody). Only the slow
-direction counts. The deviation must build a streak of ``persist_steps``
-(a step without it takes one off rather than starting over, so a straggler
-hidden by noise now and then still adds up), longer in a job where
-isolated deviations are common (``FlagRate``: a streak that chance alone
-would produce is not evidence).
+direction counts. When every rank reports ``tokens``, ``compute_s`` is
+judged against what the peers predict for the rank's batch instead (the
+windowed test's token model and learnt spread, ``straggler_window``): a long
+batch is not slowness, and where device time dominates a 1.2x rank is
+several sigmas slow in a single step. The deviation must build a streak of
+``persist_steps`` (a step without it takes one off rather than starting
+over, so a straggler hidden by noise now and then still adds up), longer in
+a job where isolated deviations are common (``FlagRate``: a streak that
+chance alone would produce is not evidence); streaks and chance rates are
+kept per metric and, for the calibrated compute z, also for far-out steps
+(``straggler_streaks``), so a clear slowdown is confirmed in two steps while
+middling evidence waits for what the job's noise demands. Weaker evidence
+accumulates in the windowed test.
 
 Attribution needs a strict healthy majority of the group. Two peers that
 disagree are reported unattributed (both ranks, no blame). A rank without
@@ -41,10 +49,11 @@ from detectors.evidence import metric_evidence, num
 from detectors.frame import StepFrame
 from detectors.gpu_readings import gpu_context
 from detectors.history import RankHistory
+from detectors.history_state import PartsState, make_window
 from detectors.peers import PeerCache
 from detectors.persistence import FlagRate, StreakCounter
 from detectors.signal import DetectorOutput, Signal
-from detectors.slow_window import SlowWindow
+from detectors.straggler_streaks import SlowStreaks, required_streak
 from detectors.straggler_window import window_hits, window_signal
 from detectors.token_model import TokenModel
 
@@ -63,6 +72,7 @@ class StragglerConfig:
     min_excess_s: float = 0.002  # and at least this many seconds above it
     min_excess_step_frac: float = 0.03  # and at least this share of the median step time
     persist_steps: int = 2  # consecutive slow steps before a finding (in a quiet job)
+    strong_z: float = 7.0  # a step this far above its peers is clear: own chance rate, streak
     max_persist_steps: int = 6  # a noisy job asks for longer streaks, up to this
     chance_findings_per_step: float = 1e-4  # tolerated chance streaks per step, whole job
     history_steps: int = 32  # clean steps kept per rank
@@ -81,6 +91,8 @@ class StragglerConfig:
             raise ValueError("metrics must name at least one column")
         if self.z_min <= 0:
             raise ValueError("z_min must be > 0")
+        if self.strong_z < self.z_min:
+            raise ValueError("strong_z must be >= z_min")
         if self.min_ratio < 1.0 or self.history_ratio < 1.0:
             raise ValueError("min_ratio and history_ratio must be >= 1")
         if self.min_excess_s < 0 or self.min_excess_step_frac < 0:
@@ -101,52 +113,25 @@ class StragglerConfig:
             raise ValueError("window_clip must be > 0")
 
 
-class StragglerState:
-    """Peer index cache, per-rank clean history, and slow streaks."""
+class StragglerState(PartsState):
+    """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
-    __slots__ = (
-        "peers", "history", "streak", "pair_streak", "rate", "pair_rate", "window", "tokens",
-    )
+    __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
+    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
         self.history = RankHistory(cfg.metrics, cfg.history_steps)
-        self.streak = StreakCounter()
+        self.streaks = SlowStreaks(cfg.metrics, cfg.history_steps)
         self.pair_streak = StreakCounter()
-        self.rate = FlagRate(cfg.history_steps)
         self.pair_rate = FlagRate(cfg.history_steps)
-        self.window = SlowWindow(
-            cfg.window_steps,
-            clip=cfg.window_clip,
-            history=cfg.history_steps,
-            min_steps=cfg.history_min_steps,
-        )
+        self.window = make_window(cfg)
         self.tokens = TokenModel()
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
         self.tokens.learn(clean_mask)
         self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
-
-    def state_dict(self) -> dict:
-        return {
-            "history": self.history.state_dict(),
-            "streak": self.streak.state_dict(),
-            "pair_streak": self.pair_streak.state_dict(),
-            "rate": self.rate.state_dict(),
-            "pair_rate": self.pair_rate.state_dict(),
-            "window": self.window.state_dict(),
-            "tokens": self.tokens.state_dict(),
-        }
-
-    def load_state_dict(self, d: dict) -> None:
-        self.history.load_state_dict(d["history"])
-        self.streak.load_state_dict(d.get("streak", {}))
-        self.pair_streak.load_state_dict(d.get("pair_streak", {}))
-        self.rate.load_state_dict(d.get("rate", {}))
-        self.pair_rate.load_state_dict(d.get("pair_rate", {}))
-        self.window.load_state_dict(d.get("window", {}))
-        self.tokens.load_state_dict(d.get("tokens", {}))
 
 
 def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
@@ -161,6 +146,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     out.scores = c.scores(cfg.metrics)
     floor = cfg.min_excess_s
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
+    win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
     with np.errstate(invalid="ignore"):
         slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
         if slow.any():
@@ -169,6 +155,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         if slow.any() or few:  # the step floor costs a median
             floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
             slow &= x - c.median > floor
+        if win is not None and win.per_token:  # slow for its batch (own floors), and a
+            slow[cfg.metrics.index(cfg.window_metric)] = win.step_hit  # long batch is not
+        elif win is not None and win.step_hit.any():
+            slow[cfg.metrics.index(cfg.window_metric)] |= win.step_hit
         hit = slow & strict_majority(idx, slow, c.count) if slow.any() else slow
         pair = np.zeros_like(hit)
         if few and (c.count == 2).any():
@@ -199,19 +189,19 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
     dev = hit.any(axis=0)
-    if dev.any() or state.streak.count.any():  # else nothing to advance or reset
-        prev = state.streak.peek(frame.rank)
-        streak = state.streak.update(frame.rank, dev, leaky=True)
-        need = _required(state.rate, prev, dev, n, cfg)
-        for row in np.flatnonzero(dev & (streak >= need)):
+    if dev.any() or state.streaks.open():  # else nothing to advance or reset
+        strong = _strong(hit, win, cfg)
+        confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
+        if win is not None and confirmed.any():  # the window holds it from now on
+            state.window.hold(frame.rank[confirmed])
+        for row in np.flatnonzero(confirmed):
             out.signals.append(
-                _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]))
+                _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]), win)
             )
     else:
-        state.rate.observe(0, n)
-    if cfg.window_metric:
+        state.streaks.idle(n)
+    if win is not None:
         said = {s.ranks[0] for s in out.signals}
-        win = window_hits(frame, idx, c, state.window, state.tokens, cfg)
         for row in np.flatnonzero(win.hit):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
@@ -220,7 +210,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         return out
     pprev = state.pair_streak.peek(frame.rank)
     pstreak = state.pair_streak.update(frame.rank, pair_any, leaky=True)
-    pneed = _required(state.pair_rate, pprev, pair_any, n, cfg)
+    pneed = required_streak(state.pair_rate, pprev, pair_any, n, cfg)
     done: set[int] = set()
     for row in np.flatnonzero(pair_any & (pstreak >= pneed)):
         members = idx.peers_of(int(row))
@@ -250,23 +240,34 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     return out
 
 
-def _required(rate: FlagRate, prev, hit, rows: int, cfg: StragglerConfig) -> int:
-    """Streak needed now (from the chance rate so far); then count streaks chance ended.
+def _strong(hit, win, cfg) -> np.ndarray:
+    """Per metric and row: a slow step far out on a calibrated scale.
 
-    Streaks leak (a miss takes one off), so one ends when it falls from 1 to 0.
+    Only the windowed metric's per-step z counts: it is in units of the
+    group's spread learnt over many clean steps, and its tail is what the
+    chance rate measures. A raw peer z of one step uses that step's MAD, which
+    for a near-constant metric (input waits of a fraction of a millisecond)
+    makes every hiccup look 100 sigmas out.
     """
-    need = rate.required(
-        cfg.persist_steps, cfg.max_persist_steps, int(rows), cfg.chance_findings_per_step
-    )
-    if rate.steps < cfg.history_min_steps:  # the first steps of a job (warm-up) teach only
-        need = cfg.max_persist_steps + 1_000_000
-    rate.observe(int(np.count_nonzero(~hit & (prev == 1))), int(rows))
-    return need
+    strong = np.zeros_like(hit)
+    if win is not None and win.step_hit.any():
+        i = cfg.metrics.index(cfg.window_metric)
+        with np.errstate(invalid="ignore"):
+            strong[i] = hit[i] & win.step_hit & (win.step_z > cfg.strong_z)
+    return strong
 
 
-def _signal(frame, idx, c, hit, row, state, cfg, streak) -> Signal:
+def _expected(win, row: int, value: float, ratio: float) -> dict:
+    """Evidence of a per-step token-aware hit: the rule and what the peers predicted."""
+    return {"rule": "step_expected", "per_token": win.per_token, "expected_s": num(value / ratio)}
+
+
+def _signal(frame, idx, c, hit, row, state, cfg, streak, win) -> Signal:
     """Signal for one confirmed slow row, on its most deviating metric."""
     ratio = np.where(hit[:, row], c.x[:, row] / c.median[:, row], -np.inf)
+    tokens = win is not None and bool(win.step_hit[row])
+    if tokens:  # slow for its batch: the ratio that counts is to what its peers predict
+        ratio[cfg.metrics.index(cfg.window_metric)] = win.step_ratio[row]
     peerless = not np.isfinite(ratio).any() or np.all(c.count[:, row] == 1)
     i = int(np.argmax(ratio)) if not peerless else int(np.flatnonzero(hit[:, row])[0])
     metric = cfg.metrics[i]
@@ -274,10 +275,14 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak) -> Signal:
     peers = idx.peers_of(row)
     peers = peers[peers != row]
     value = c.x[i, row]
+    by_tokens = tokens and metric == cfg.window_metric
+    rel = value / hmed[0] if peerless else value / c.median[i, row]
+    if by_tokens:
+        rel = win.step_ratio[row]
     if peerless:
         score = float(value / hmed[0]) if hmed[0] > 0 else 0.0
     else:
-        score = float(min(c.z[i, row], Z_CAP))
+        score = float(min(win.step_z[row] if by_tokens else c.z[i, row], Z_CAP))
     gpu = gpu_context(frame, row)  # a throttling GPU behind the slowness shows here
     return Signal(
         kind="straggler",
@@ -291,10 +296,11 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak) -> Signal:
             c.median[i, row],
             c.x[i, peers],
             history_median=hmed[0],
-            z=c.z[i, row],
-            ratio=num(value / c.median[i, row]) if not peerless else num(value / hmed[0]),
+            z=win.step_z[row] if by_tokens else c.z[i, row],
+            ratio=num(rel),
             slow_metrics=[cfg.metrics[j] for j in np.flatnonzero(hit[:, row])],
             streak_steps=streak,
+            **(_expected(win, row, value, rel) if by_tokens else {}),
             **({"gpu": gpu} if gpu else {}),
         ),
     )

@@ -48,7 +48,9 @@ from detectors.signal import Signal
 from detectors.slow_window import SlowWindow, z_threshold
 from detectors.token_model import TokenModel
 
-__all__ = ["WindowResult", "window_hits", "window_signal"]
+__all__ = ["WindowResult", "window_hits", "window_signal", "HOLD"]
+
+HOLD = 0.5  # a named rank stays named while its last few steps keep this share of the floors
 
 
 @dataclass(slots=True)
@@ -61,6 +63,9 @@ class WindowResult:
     ratio: np.ndarray
     excess_s: np.ndarray
     per_token: bool
+    step_hit: np.ndarray  # this step alone: far above the learnt spread (see _step_hits)
+    step_ratio: np.ndarray  # this step's compute over what its peers predict for it
+    step_z: np.ndarray  # the same, as a z over the group's learnt spread (unclipped)
 
 
 def _relative(frame: StepFrame, idx, c, i: int, model: TokenModel | None):
@@ -105,7 +110,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     per_token = _uses_tokens(frame, x, cfg)
     ref, log_ratio, rel_sigma, count = _relative(frame, idx, c, i, model if per_token else None)
     with np.errstate(invalid="ignore", divide="ignore"):
-        z, scale = ws.standardize(idx, log_ratio, count, rel_sigma)
+        z, scale, raw = ws.standardize(idx, log_ratio, count, rel_sigma, raw=True)
     res = ws.update(frame.rank, z, log_ratio, x - ref, scale)
     out = WindowResult(
         hit=np.zeros(n, dtype=bool),
@@ -114,7 +119,14 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
         ratio=np.full(n, np.nan),
         excess_s=np.full(n, np.nan),
         per_token=per_token,
+        step_hit=np.zeros(n, dtype=bool),
+        step_ratio=np.exp(log_ratio),
+        step_z=raw,
     )
+    with np.errstate(invalid="ignore"):
+        far = raw > cfg.z_min
+    if far.any():
+        out.step_hit = _step_hits(frame, far, log_ratio, x - ref, cfg)
     limit = z_threshold(n, len(ws.lengths), cfg.chance_findings_per_step)
     ranks_ok = (frame.rank >= 0) & (frame.rank < ws.active.shape[0])
     held = np.zeros(n, dtype=bool)
@@ -125,12 +137,13 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     if rows.size == 0:
         return out
     # any window length that clears the limit and the floors names the rank; a
-    # confirmed rank stays named while its longest window keeps the floors (one
-    # incident, not a new one each time the z dips under the limit)
+    # confirmed rank stays named while its longest window keeps the floors, or its
+    # shortest window HOLD of them (one incident, not a new one each time the z dips)
     floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
     ok, steps, mlr, mex, zs = ws.qualify(
         frame.rank[rows], scale[rows], held[rows], limit,
         lambda lr, ex: (lr > math.log(cfg.min_ratio)) & (ex > floor),
+        lambda lr, ex: (lr > HOLD * math.log(cfg.min_ratio)) & (ex > HOLD * floor),
     )
     res.steps[rows] = np.where(ok, steps, 0)
     res.z[rows] = np.where(ok & np.isfinite(zs), zs, res.z[rows])
@@ -149,6 +162,27 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     ws.active[frame.rank[done]] = False
     ws.active[frame.rank[out.hit & ranks_ok]] = True
     return out
+
+
+def _step_hits(frame: StepFrame, far, log_ratio, excess_s, cfg) -> np.ndarray:
+    """Rows slow in this one step against what their peers predict for their batch.
+
+    The windowed test's own per-step evidence, unclipped: a rank whose compute
+    is ``z_min`` learnt sigmas above its expectation, by the same floors as
+    the raw per-step rule. Where the token model explains the batch-to-batch
+    spread, this sees a 1.2x rank in one step that raw compute hides for
+    dozens; the caller's streak (sized by the chance rate) confirms it.
+    Throttled GPUs (the GPU detector's finding) are left out, as in the
+    windowed test. Unlike the window, no victim test on ``comm_s``: with
+    batches of different lengths a slow rank still waits for a peer that drew
+    a longer one, and a victim's own compute is not what this z measures.
+    """
+    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    with np.errstate(invalid="ignore"):
+        hit = far & (log_ratio > math.log(cfg.min_ratio)) & (excess_s > floor)
+    if hit.any() and has_gpu(frame):
+        hit &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
+    return hit
 
 
 def _healthy_majority(idx, ws: SlowWindow, frame, res, rows, count, limit, cfg) -> np.ndarray:
@@ -176,12 +210,13 @@ def window_signal(frame: StepFrame, idx, c, win: WindowResult, row: int, state, 
     peers = peers[peers != row]
     _, hmed, _ = state.history.assess(frame.rank[row : row + 1], cfg.window_metric)
     steps = int(win.steps[row])
+    back = int(state.window.onset_back(frame.rank[row : row + 1], np.array([steps]))[0])
     gpu = gpu_context(frame, row)
     return Signal(
         kind="straggler",
         ranks=(int(frame.rank[row]),),
         detector="straggler",
-        score=float(min(win.z[row], Z_CAP)),
+        score=float(min(win.z[row], Z_CAP)) if np.isfinite(win.z[row]) else 0.0,  # held, few steps
         severity="persistent",
         evidence=metric_evidence(
             cfg.window_metric,
@@ -195,7 +230,7 @@ def window_signal(frame: StepFrame, idx, c, win: WindowResult, row: int, state, 
             window_steps=steps,
             window_excess_s=num(win.excess_s[row]),
             per_token=win.per_token,
-            onset_step=int(frame.step) - steps + 1,
+            onset_step=int(frame.step) - back + 1,
             slow_metrics=[cfg.window_metric],
             **({"gpu": gpu} if gpu else {}),
         ),

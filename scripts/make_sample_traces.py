@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.simulate import SimConfig, run_simulation  # noqa: E402
+from pipeline.simulate.model import ModelConfig  # noqa: E402
 from pipeline.trace_io import read_trace  # noqa: E402
 
 RANKS, STEPS = 8, 150
@@ -45,8 +46,8 @@ TRACES: dict[str, tuple[list[str], int, str | None, int, str]] = {
         "rank 2's backward is 1.25x slower for steps 50-119: a subtle, backward-only straggler",
     ),
     "network": (
-        ["network:rank=6,from=70,until=129,delay_s=0.03"], 4, None, 5,
-        "rank 6's all-reduces complete 30 ms late (slow link) for steps 70-129",
+        ["network:rank=6,from=70,until=129,delay_s=0.06"], 4, None, 5,
+        "rank 6's all-reduces complete 60 ms late (slow link) for steps 70-129",
     ),
     "sdc-grad": (
         ["sdc-grad:rank=3,from=80,bit=exponent"], 2, "dp=4,tp=2", 6,
@@ -130,6 +131,11 @@ def write_readme(rows: list[dict], out_root: Path) -> None:
         "Real traces recorded by `scripts/make_sample_traces.py` with `rankscope simulate`:",
         f"{RANKS} gloo ranks (CPU) training a tiny transformer for {STEPS} steps with the rank",
         "collector attached (file sink, then gzip), faults injected inside the real training.",
+        "Each rank also spends emulated device time in proportion to its batch's tokens",
+        f"({ModelConfig().device_us_per_token:.0f} us/token forward, twice that backward: ~95% of "
+        "`compute_s`, as on a GPU job), so",
+        "the relative compute noise is what a GPU job shows (robust sigma ~2%), not the CPU",
+        "contention of 8 ranks on 2 cores.",
         "Each directory is one trace: `rank*.jsonl.gz` (records as the collectors wrote them),",
         "`labels.jsonl` (ground truth) and `meta.json` (layout, faults, what each injection did,",
         "how the run ended). Hosts are emulated (`node00`...); coordinates follow tp fastest,",

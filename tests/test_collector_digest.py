@@ -124,3 +124,19 @@ def test_inline_and_background_digesters_agree():
     finally:
         inline.close()
         worker.close()
+
+
+def test_unaligned_view_digests_like_its_aligned_copy_and_sees_a_flip():
+    """Words count from the tensor's first byte, wherever it starts in memory, so a
+    replica whose parameter happens to start off an 8-byte boundary agrees."""
+    base = torch.randn(SMALL_BYTES // 2 + 11, generator=torch.Generator().manual_seed(3))
+    view = base.to(torch.float16)[1:]  # starts 2 bytes into its storage
+    assert view.data_ptr() % 8
+    plan = DigestPlan([view])
+    clean = digest_hex(plan.sums())
+    assert clean == digest_hex(digest_sums([view.clone()]))
+    flat = view.view(torch.int16)
+    flat[5] ^= 1 << 9
+    assert digest_hex(plan.sums()) != clean
+    flat[5] ^= 1 << 9
+    assert digest_hex(plan.sums()) == clean

@@ -16,9 +16,13 @@ from pipeline.engine import Engine, EngineConfig
 from pipeline.replay import replay_trace
 from pipeline.simulate.config import SimConfig
 from pipeline.simulate.harness import run_simulation
+from pipeline.simulate.model import ModelConfig
 from pipeline.trace_io import read_trace
 
 pytestmark = pytest.mark.multiproc
+
+# hangs and crashes need no realistic device time: short steps keep the tests fast
+FAST = ModelConfig(device_us_per_token=100.0)
 
 
 def simulate(tmp_path, fault: str):
@@ -31,6 +35,7 @@ def simulate(tmp_path, fault: str):
         stall_s=5.0,
         failure_grace_s=5.0,
         stop_grace_s=3.0,
+        model=FAST,
     )
     res = run_simulation(cfg)
     assert res.ended == res.expected_end, res
@@ -96,7 +101,7 @@ def test_live_engine_on_the_wall_clock_names_the_hung_rank(tmp_path):
     q: queue.Queue = queue.Queue()
     cfg = SimConfig(ranks=4, steps=400, faults=["hang:rank=1,from=30"], sink="embedded://hang",
                     out_dir=str(tmp_path / "out"), beat_interval_s=0.25, stall_s=8.0,
-                    stop_grace_s=3.0)  # fmt: skip
+                    stop_grace_s=3.0, model=FAST)  # fmt: skip
     runner = threading.Thread(target=run_simulation, args=(cfg, q.put), daemon=True)
     runner.start()
     live = Config(stamp_at_check=True, stall_min_s=3.0, stall_step_factor=4.0)

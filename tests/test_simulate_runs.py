@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.simulate import SimConfig, run_simulation
+from pipeline.simulate.model import ModelConfig
 from pipeline.trace_io import read_trace
 
 pytestmark = pytest.mark.multiproc
@@ -34,6 +35,11 @@ def _load(out_dir):
     return trace, steps, beats
 
 
+# Tests of mechanisms (injection, endings) run with less than the default device
+# time: their steps are shorter and they do not judge timing noise.
+FAST = ModelConfig(device_us_per_token=100.0)
+
+
 def _median(steps, ranks, field, window):
     return {r: statistics.median(steps[s][r][field] for s in window) for r in ranks}
 
@@ -47,6 +53,7 @@ def test_corruption_faults_show_where_they_were_injected(tmp_path):
             "nonfinite:rank=3,from=16",
             "sdc-reduce:rank=0,from=20",
         ],
+        model=FAST,
     )
     result = run_simulation(cfg)
     assert result.ended == "completed" and result.ok, result.errors
@@ -110,6 +117,7 @@ def test_straggler_then_slow_network(tmp_path):
             "straggler:rank=1,from=10,until=19,factor=4",
             "network:rank=3,from=20,delay_s=0.05",
         ],
+        model=FAST,
     )
     result = run_simulation(cfg)
     assert result.ok, result.errors
@@ -143,6 +151,7 @@ def test_hang_is_ended_after_beats_show_who_is_blocked(tmp_path):
     cfg = SimConfig(
         ranks=4, steps=20, out_dir=str(tmp_path), ranks_per_host=2,
         faults=["hang:rank=2,from=6"], beat_interval_s=0.25, stall_s=2.0, stop_grace_s=4.0,
+        model=FAST,
     )
     result = run_simulation(cfg)
     assert (result.ended, result.ok) == ("hang", True)
@@ -163,7 +172,7 @@ def test_hang_is_ended_after_beats_show_who_is_blocked(tmp_path):
 def test_crash_ends_cleanly_with_peers_failing(tmp_path):
     cfg = SimConfig(
         ranks=3, steps=40, out_dir=str(tmp_path), faults=["crash:rank=1,from=25,code=13"],
-        beat_interval_s=0.1,
+        beat_interval_s=0.1, model=FAST,
     )
     result = run_simulation(cfg)
     assert (result.ended, result.ok) == ("crash", True)

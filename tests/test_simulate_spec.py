@@ -169,3 +169,40 @@ def test_cli_misuse_exits_nonzero_with_a_message(tmp_path, capsys):
                  "--topology", "dp=3"])
     assert code == 1
     assert "dp*tp*pp = 3, but there are 4 ranks" in capsys.readouterr().err
+
+
+def test_device_clock_stretches_the_optimizer_step_of_a_whole_step_straggler():
+    """phase=all slows the optimizer step too (on a GPU it is device work); phase=backward
+    does not. Timing as lower bounds only: a sleep is never shorter than asked."""
+    import time
+
+    from pipeline.simulate.device import DeviceClock
+    from pipeline.simulate.faults import fault_class
+
+    for phase, stretched in (("all", True), ("backward", False)):
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = {"n": 0}
+        clock = DeviceClock(model, us_per_token=0.0, step_fn=lambda s=step: s["n"])
+        clock.watch_optimizer(opt)
+        opt.register_step_pre_hook(lambda *a: time.sleep(0.02))  # "optimizer work"
+        spec = parse_fault(f"straggler:rank=0,from=1,factor=3,phase={phase}")
+        fault = fault_class("straggler")(spec)
+
+        class Ctx:
+            rank = 0
+            extra = {"device": clock}
+
+        fault.install(Ctx)
+        model(torch.ones(2, 4)).sum().backward()
+        t0 = time.perf_counter()
+        opt.step()  # step 0: before the fault
+        plain = time.perf_counter() - t0
+        step["n"] = 1
+        t0 = time.perf_counter()
+        opt.step()
+        slow = time.perf_counter() - t0
+        assert plain >= 0.02 and clock.factor("backward") == 3.0
+        assert clock.factor("optimizer") == (3.0 if stretched else 1.0)
+        if stretched:
+            assert slow >= 0.02 * 3  # the work, then (3 - 1) x the work more

@@ -12,7 +12,10 @@ Slowdowns (the ``straggler`` fault) register a scaler: in a scaled phase the
 clock sleeps ``factor - 1`` times the measured compute of that phase (real
 work plus device time) on top, inside the forward hook and the gradient
 hooks, i.e. before DDP sees the gradients: peers end up waiting in the
-all-reduce, and the slow rank's own ``compute_s`` grows.
+all-reduce, and the slow rank's own ``compute_s`` grows. With
+``watch_optimizer`` the optimizer step is a phase too (``optimizer``), so a
+whole-step slowdown stretches all of the step's work but the loss and the
+gradient clipping (a fraction of a millisecond here).
 """
 
 from __future__ import annotations
@@ -56,12 +59,31 @@ class DeviceClock:
         self._tokens = 0
         self._bwd_factor = 1.0
         self._seen = 0
+        self._opt_mark = 0.0
         params = [p for p in model.parameters() if p.requires_grad]
         self._n_params = len(params)
         model.register_forward_pre_hook(self._pre_forward)
         model.register_forward_hook(self._post_forward)
         for p in params:
             p.register_hook(self._on_grad)
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Stretch the optimizer step too (phase ``optimizer``): on a GPU it is device work.
+
+        Register before anything that closes the step on the optimizer's post-hook
+        (the rank collector), so the step's times include the stretch.
+        """
+        optimizer.register_step_pre_hook(self._pre_step)
+        optimizer.register_step_post_hook(self._post_step)
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        self._opt_mark = time.perf_counter()
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        f = self.factor("optimizer")
+        if f != 1.0:
+            self._debt.owed_s += (f - 1.0) * (time.perf_counter() - self._opt_mark)
+            self._debt.pay(min_s=0.0)
 
     def add_scaler(self, scaler: Callable[[str, int], float]) -> None:
         """``scaler(phase, step) -> factor`` (1.0 = normal speed); factors multiply."""

@@ -43,8 +43,16 @@ class ModelConfig:
     """Longest sequence length drawn (tokens)."""
     noise: float = 0.05
     """Fraction of tokens replaced by random ones."""
-    device_us_per_token: float = 100.0
-    """Emulated accelerator time per token in forward (backward: twice); see device.py."""
+    device_us_per_token: float = 500.0
+    """Emulated accelerator time per token in forward (backward: twice); see device.py.
+
+    500 us makes device time ~95% of ``compute_s`` (a 26-token x 8 batch takes
+    ~310 ms of device time against ~15 ms of CPU), as on a GPU job, where the
+    host's scheduling noise is a small share of a step. Eight ranks on two
+    cores add ~6 ms of scheduling noise to every compute time whatever its
+    length: at 100 us that was a relative robust sigma of 6-11%, at 300 us
+    3-4.5% (depending on the machine's load), at 500 us ~2%.
+    """
 
     def __post_init__(self) -> None:
         if self.vocab < 4 or self.d_model < 4 or self.n_layers < 1 or self.batch < 1:

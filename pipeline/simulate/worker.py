@@ -200,6 +200,7 @@ def _train(ws: WorkerSpec, events, records_q, collector: list) -> None:
     ctx.extra["device"] = DeviceClock(
         model, us_per_token=ws.model.device_us_per_token, step_fn=lambda: ctx.step
     )
+    ctx.extra["device"].watch_optimizer(optimizer)  # first: before the collector's hooks
     faults = [fault_class(spec.kind)(spec) for spec in ws.faults]
     for f in faults:
         f.install(ctx)  # before attach: their optimizer hooks run before the collector's

@@ -5,7 +5,8 @@ alike (see ``pipeline/simulate/device.py``): in each faulty step it sleeps
 ``factor - 1`` times the compute it measured, in the forward hook and in the
 gradient hooks, i.e. before DDP sees the gradients, so peers end up waiting in
 the all-reduce: the backward-origin straggler that per-rank comm time alone
-misses. ``phase=backward`` (or ``forward``) restricts it to one pass.
+misses; the optimizer step is stretched as well. ``phase=backward`` (or
+``forward``) restricts it to one pass.
 
 A network fault delays this rank's all-reduces: the communication hook sleeps
 before launching each bucket's reduction.
