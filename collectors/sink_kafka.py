@@ -8,9 +8,13 @@ and returns; a thread of the sink owns the kafka-python producer, creates it
 buffered records. The bound covers the buffer plus the records the producer
 holds unacknowledged, so a dead broker costs at most ``buffer_records``
 records of memory; beyond that new records are dropped and counted. The next
-``step`` record that gets through carries the count in its ``dropped`` field,
-so the service sees the gap. The producer reconnects by itself; records it
-held through a short outage are delivered when the broker is back.
+``step`` or ``beat`` record that gets into the buffer carries the count in its
+``dropped`` field (the trace format's "records dropped since the last record"),
+so the service sees the gap. A count never gets lost with the record carrying
+it: a dropped record's own ``dropped`` (stamped by the collector's sender), and
+the counts inside a batch whose delivery failed, are carried on as well. The
+producer reconnects by itself; records it held through a short outage are
+delivered when the broker is back.
 
 Wire format: the message key is the job (UTF-8), so one job's records stay in
 order in one partition; the value is one JSON record, or a JSON array of
@@ -76,13 +80,22 @@ class KafkaSinkConfig:
             raise ValueError("kafka sink: reconnect_backoff_s must be > 0")
 
 
+def _carried(rec: dict) -> int:
+    """The drop count a record carries (``dropped`` of a step or beat record)."""
+    if rec.get("type") not in ("step", "beat"):
+        return 0
+    n = rec.get("dropped")
+    return n if type(n) is int and n > 0 else 0
+
+
 class KafkaSink:
     """Bounded, non-blocking producer of trace records (see the module docstring)."""
 
     def __init__(self, url: KafkaUrl, cfg: KafkaSinkConfig) -> None:
         self.url = url
         self.cfg = cfg
-        self._buf: collections.deque[tuple[str, str, bytes, int]] = collections.deque()
+        # (topic, job, value, records, drop counts the records carry)
+        self._buf: collections.deque[tuple[str, str, bytes, int, int]] = collections.deque()
         self._buffered = 0  # records in _buf
         self._inflight = 0  # records handed to the producer, not yet acked or failed
         self._lock = threading.Lock()
@@ -125,7 +138,7 @@ class KafkaSink:
             for rec in records:
                 if room <= 0:
                     self.dropped += 1
-                    self._unreported_drops += 1
+                    self._unreported_drops += 1 + _carried(rec)
                     continue
                 room -= 1
                 if self._unreported_drops and rec.get("type") in ("step", "beat"):
@@ -136,7 +149,8 @@ class KafkaSink:
             for (kind, job), recs in groups.items():
                 body = recs[0] if len(recs) == 1 else recs
                 value = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
-                self._buf.append((self.url.topic(kind), job, value, len(recs)))
+                carried = sum(map(_carried, recs))
+                self._buf.append((self.url.topic(kind), job, value, len(recs), carried))
                 self._buffered += len(recs)
             if groups:
                 self._wake.notify()
@@ -150,9 +164,7 @@ class KafkaSink:
         with self._lock:
             self._wake.notify()
             while (
-                (self._buffered or self._inflight)
-                and self._healthy()
-                and not self._closed_thread()
+                (self._buffered or self._inflight) and self._healthy() and not self._closed_thread()
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -257,7 +269,7 @@ class KafkaSink:
             with self._lock:
                 if not self._buf:
                     return
-                topic, job, value, n = self._buf.popleft()
+                topic, job, value, n, carried = self._buf.popleft()
                 self._buffered -= n
                 self._inflight += n
             try:
@@ -265,7 +277,7 @@ class KafkaSink:
             except Exception as exc:  # noqa: BLE001 - buffer full or metadata missing
                 with self._lock:
                     self._inflight -= n
-                    self._buf.appendleft((topic, job, value, n))
+                    self._buf.appendleft((topic, job, value, n, carried))
                     self._buffered += n
                 self._note_error("Kafka producer not accepting records: %s", exc)
                 with self._lock:
@@ -275,7 +287,7 @@ class KafkaSink:
                         return
                 continue
             fut.add_callback(self._acked, n)
-            fut.add_errback(self._failed, n)
+            fut.add_errback(self._failed, n, carried)
 
     def _acked(self, n: int, _metadata) -> None:
         with self._lock:
@@ -285,12 +297,12 @@ class KafkaSink:
             self._last_ack_t = time.monotonic()
             self._wake.notify_all()
 
-    def _failed(self, n: int, exc) -> None:
+    def _failed(self, n: int, carried: int, exc) -> None:
         with self._lock:
             self.connected = False
             self._inflight -= n
             self.dropped += n
-            self._unreported_drops += n
+            self._unreported_drops += n + carried
             self._wake.notify_all()
         self._note_error("Kafka delivery failed, %d records dropped: %s", n, exc)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import Counter, deque
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -37,8 +36,8 @@ from operator import itemgetter
 import numpy as np
 
 from detectors.frame import StepFrame
-from pipeline.gpu_join import GpuJoin
-from pipeline.step_columns import PeerGroups, build_frame, chunk_from_records, split_step_table
+from pipeline.step_buffers import JobBuffer, Pending
+from pipeline.step_columns import build_frame, split_step_table
 
 __all__ = ["AssemblerConfig", "StepAssembler"]
 
@@ -78,59 +77,6 @@ class AssemblerConfig:
             raise ValueError(f"max_world must be >= 1, got {self.max_world}")
 
 
-class _Pending:
-    """The records of one step seen so far."""
-
-    __slots__ = ("step", "opened", "flags", "seen", "count", "chunks", "recs", "checks")
-
-    def __init__(self, step: int, opened: float, world: int) -> None:
-        self.step = step
-        self.opened = opened
-        # one byte per rank; a bytearray is fast to index from Python (dict path) and
-        # ``seen`` is a numpy view of the same memory for whole-array marks (columnar path)
-        self.flags = bytearray(world)
-        self.seen = np.frombuffer(self.flags, dtype=bool)
-        self.count = 0
-        self.chunks: list[dict] = []
-        self.recs: list[dict] = []
-        self.checks: list[dict] = []
-
-    def grow(self, world: int) -> None:
-        if len(self.flags) < world:
-            self.flags = self.flags + bytearray(world - len(self.flags))
-            self.seen = np.frombuffer(self.flags, dtype=bool)
-
-    def mark(self, ranks: np.ndarray, world: int) -> None:
-        self.grow(world)
-        self.seen[ranks] = True
-
-    def seal(self) -> None:
-        if self.recs:
-            self.chunks.append(chunk_from_records(self.recs))
-            self.recs = []
-
-
-class _Job:
-    __slots__ = (
-        "name", "world", "pending", "last_emitted", "clock", "step_clock", "durations", "prev_t",
-        "stats", "gpu", "groups", "hosts",
-    )  # fmt: skip
-
-    def __init__(self, name: str, recent: int) -> None:
-        self.name = name
-        self.world = 0
-        self.pending: dict[int, _Pending] = {}
-        self.last_emitted: int | None = None
-        self.clock = -math.inf  # latest t of any record (hang checks)
-        self.step_clock = -math.inf  # latest t of step/check records (step deadlines)
-        self.durations: deque[float] = deque(maxlen=recent)
-        self.prev_t = math.nan
-        self.stats: Counter = Counter()
-        self.gpu = GpuJoin()
-        self.groups = PeerGroups()
-        self.hosts = np.full(0, None, dtype=object)
-
-
 class StepAssembler:
     """Groups records per (job, step) and hands out complete or overdue steps in order.
 
@@ -141,23 +87,23 @@ class StepAssembler:
 
     def __init__(self, cfg: AssemblerConfig | None = None) -> None:
         self.cfg = cfg or AssemblerConfig()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, JobBuffer] = {}
         self._decode_cache: dict = {}
 
     # -- input -------------------------------------------------------------
-    def _job(self, name: str) -> _Job:
+    def _job(self, name: str) -> JobBuffer:
         j = self._jobs.get(name)
         if j is None:
-            j = self._jobs[name] = _Job(name, self.cfg.recent_steps)
+            j = self._jobs[name] = JobBuffer(name, self.cfg.recent_steps)
         return j
 
-    def _pending(self, j: _Job, step: int, now: float) -> _Pending | None:
+    def _pending(self, j: JobBuffer, step: int, now: float) -> Pending | None:
         if j.last_emitted is not None and step <= j.last_emitted:
             j.stats["late"] += 1
             return None
         p = j.pending.get(step)
         if p is None:
-            p = j.pending[step] = _Pending(step, now, j.world)
+            p = j.pending[step] = Pending(step, now, j.world)
         return p
 
     def add_records(self, recs: list[dict], now: float | None = None) -> None:
@@ -231,7 +177,33 @@ class StepAssembler:
             return False
         if t.ndim != 1:
             return False
-        j = self._job(recs[0]["job"])
+
+        def put(p: Pending, a: int, b: int, idx: np.ndarray, whole: bool) -> None:
+            p.recs.extend(recs[a:b] if whole else [recs[i] for i in idx.tolist()])
+
+        self._add_runs(self._job(recs[0]["job"]), t, rank, world, step, now, wall, put)
+        return True
+
+    def add_columns(self, job: str, step: np.ndarray, chunk: dict[str, np.ndarray],
+                    now: float | None = None) -> None:  # fmt: skip
+        """Take valid ``step`` records of one job as columns (a ``step_columns`` chunk and
+        the step of each row, e.g. ``bus_decode.StepBatch``), in arrival order: the same
+        counters, clocks, marks and order as ``add_records``, with no per-record Python."""
+        wall = self.cfg.clock == "wall"
+        if wall and now is None:
+            now = time.time()
+
+        def put(p: Pending, a: int, b: int, idx: np.ndarray, whole: bool) -> None:
+            p.seal()  # dict records that came before stay before
+            sel = slice(a, b) if whole else idx
+            p.chunks.append({k: v[sel] for k, v in chunk.items()})
+
+        self._add_runs(self._job(job), chunk["t"], chunk["rank"], chunk["world"], step, now,
+                       wall, put)  # fmt: skip
+
+    def _add_runs(self, j: JobBuffer, t, rank, world, step, now, wall: bool, put) -> None:
+        """Runs of one step in arrival order: refuse, count, mark, then ``put`` the rows."""
+        n = rank.size
         # the job clocks after each record (NaN never advances them)
         step_clock = np.fmax.accumulate(np.concatenate(([j.step_clock], t)))
         latest = float(step_clock[-1])
@@ -243,7 +215,7 @@ class StepAssembler:
         if acc.size < n:
             j.stats["refused"] += n - acc.size
         if acc.size == 0:
-            return True
+            return
         s = step[acc]
         cuts = np.flatnonzero(s[1:] != s[:-1]) + 1
         bounds = [0, *cuts.tolist(), acc.size]
@@ -260,16 +232,14 @@ class StepAssembler:
             top = int(world[idx].max())
             if len(p.flags) < top:
                 p.grow(top)
-            ranks = np.unique(rank[idx])
-            new = ranks[~p.seen[ranks]]
-            p.seen[new] = True
-            p.count += new.size
-            if b - a > new.size:
-                j.stats["duplicates"] += b - a - new.size
-            p.recs.extend(recs[a:b] if whole else [recs[i] for i in idx.tolist()])
+            before = p.count  # == ranks flagged in ``seen``; a count beats a sort of ranks
+            p.seen[rank[idx]] = True
+            p.count = int(np.count_nonzero(p.seen))
+            if b - a > p.count - before:
+                j.stats["duplicates"] += b - a - (p.count - before)
+            put(p, a, b, idx, whole)
             j.stats["records"] += b - a
         j.world = int(world[acc[-1]])
-        return True
 
     def add_table(self, table, now: float | None = None) -> list[tuple[int, str]]:
         """Take an Arrow table of ``step`` records; returns ``(row, reason)`` of refused rows.
@@ -345,7 +315,7 @@ class StepAssembler:
                     out.append(frame)
         return out
 
-    def _emit(self, j: _Job, p: _Pending) -> StepFrame | None:
+    def _emit(self, j: JobBuffer, p: Pending) -> StepFrame | None:
         j.last_emitted = p.step
         p.seal()
         if not p.chunks:
@@ -368,7 +338,7 @@ class StepAssembler:
         return frame
 
     @staticmethod
-    def _learn_duration(j: _Job, frame: StepFrame) -> None:
+    def _learn_duration(j: JobBuffer, frame: StepFrame) -> None:
         step_s = frame.m["step_s"]
         t = frame.t
         dur = math.nan

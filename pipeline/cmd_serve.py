@@ -42,7 +42,7 @@ def register(subparsers) -> None:
         "--checkpoint-interval",
         type=float,
         metavar="S",
-        help="seconds between checkpoints and offset commits (default 2)",
+        help="seconds between checkpoints and offset commits (default 5)",
     )
     p.add_argument(
         "--exit-when-idle",

@@ -12,6 +12,7 @@ changed. Use:
 
     engine = Engine()                       # replay: record clock
     changed = engine.feed(records)          # validated dicts of any type
+    changed += engine.feed_columns(job, steps, chunk)  # step records as columns
     changed += engine.feed_table(table)     # Arrow table of step records
     changed += engine.tick()                # deadlines and hang checks
     changed += engine.flush()               # end of stream
@@ -205,6 +206,14 @@ class Engine:
                 if monitor is not None:
                     monitor.observe_beats(bs, now=wall)
         self.assembler.add_records(records, now)
+        return self.tick(now)
+
+    def feed_columns(self, job: str, step: np.ndarray, chunk: dict[str, np.ndarray],
+                     now: float | None = None) -> list[Finding]:  # fmt: skip
+        """Take valid ``step`` records of one job as columns (``bus_decode.StepBatch``:
+        what ``serve`` decodes a batched message into); return findings new or changed."""
+        now = self._now(now)
+        self.assembler.add_columns(job, step, chunk, now)
         return self.tick(now)
 
     def feed_table(self, table, now: float | None = None) -> tuple[list[Finding], list]:

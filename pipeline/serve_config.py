@@ -26,8 +26,10 @@ class ServeConfig:
     """Longest one poll waits for messages; also the tick period when idle."""
     max_poll_messages: int = 500
     """Most messages taken in one poll (a message may hold many records)."""
-    checkpoint_interval_s: float = 2.0
-    """How often engine state and offsets are saved and committed."""
+    checkpoint_interval_s: float = 5.0
+    """How often engine state and offsets are saved and committed (Kafka's own auto-commit
+    default; a checkpoint writes megabytes of detector state for a large job, and a
+    restart re-reads at most this much telemetry)."""
     session_timeout_s: float = 10.0
     """A ``serve`` silent this long (crashed) loses its partitions to the others of its group."""
     control_secret: bytes | None = None
@@ -82,6 +84,11 @@ class ServeStats:
     """Per step (with ``measure_latency``): from its last record's arrival to detection."""
     busy_s: float = 0.0
     """From the first message received to the end of processing the last one."""
+    partition_records: dict[int, int] = field(default_factory=dict)
+    """Records processed per partition number (which jobs this process served)."""
+    store_lag_s: float | None = None
+    """(``measure_latency``) From the end of processing the last message to the end of
+    the first write handed over after it: when everything read was stored."""
     _first: float | None = None
 
     def summary(self) -> str:
@@ -94,5 +101,6 @@ class ServeStats:
         return (
             f"{self.records} records in {self.messages} messages ({rate:,.0f} records/s), "
             f"{self.findings} finding updates, {self.control_sent} control messages, "
-            f"{self.deadletters} dead letters{lat}"
+            f"{self.deadletters} dead letters{lat}; records by partition "
+            f"{dict(sorted(self.partition_records.items()))}"
         )

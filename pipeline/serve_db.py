@@ -4,11 +4,15 @@ DuckDB lets one process write a file. ``share=False`` (default) keeps the
 file open for the life of ``serve``; ``share=True`` opens it only for each
 write and retries while another process holds it, so several ``serve``
 processes of one consumer group can write one file (each write is short).
+Sessions are serialized by a lock: the writer thread writes while the Kafka
+client's IO thread may read a checkpoint (a rebalance), and one DuckDB
+connection must not be used by two threads at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -69,6 +73,7 @@ class ServeDb:
         self.share = share
         self.lock_wait_s = lock_wait_s
         self._session: DbSession | None = None
+        self._lock = threading.Lock()
         if not share:
             self._session = DbSession(Store(path))
 
@@ -84,16 +89,18 @@ class ServeDb:
 
     @contextlib.contextmanager
     def session(self):
-        if self._session is not None:
-            yield self._session
-            return
-        s = self._open()
-        try:
-            yield s
-        finally:
-            s.store.close()
+        with self._lock:
+            if self._session is not None:
+                yield self._session
+                return
+            s = self._open()
+            try:
+                yield s
+            finally:
+                s.store.close()
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.store.close()
-            self._session = None
+        with self._lock:
+            if self._session is not None:
+                self._session.store.close()
+                self._session = None

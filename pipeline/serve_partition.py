@@ -68,6 +68,15 @@ class PartitionState:
             if key not in self.open_steps:
                 self.open_steps[key] = offset
 
+    def note_batch(self, job: str, steps, offset: int, now: float) -> None:
+        """``note_steps`` for a message decoded as columns (``steps``: its step numbers)."""
+        for step in dict.fromkeys(steps.tolist()):
+            key = (job, step)
+            self.arrival[key] = now
+            self.waiting[key] = now
+            if key not in self.open_steps:
+                self.open_steps[key] = offset
+
     def built_steps(self, now: float, out: list[float]) -> None:
         """Latency from the last record of each step built since the last call."""
         if not self.waiting:

@@ -17,7 +17,10 @@ nothing):
    remembered in DuckDB);
 3. every ``checkpoint_interval_s`` (and on shutdown) the engine state of
    each partition is saved with the offset to resume from, and only then the
-   same offsets are committed to Kafka. The resume offset is the earliest
+   same offsets are committed to Kafka. Steps 1-3 run on a writer thread
+   (``pipeline.serve_writer``) in the order the loop hands them over, so the
+   loop does not wait on the disk; the loop commits the offsets the writer
+   reports written. The resume offset is the earliest
    message holding a record of a step the engine has not built yet: those
    steps are not in the saved state, so their records must come again.
    Records of steps already built are dropped as late on re-read. A
@@ -40,11 +43,14 @@ import time
 
 import orjson
 
-from pipeline.bus_decode import decode_records
+from pipeline.bus_decode import StepBatch, decode_message
 from pipeline.bus_kafka import KafkaBus
+from pipeline.findings import Finding
 from pipeline.serve_config import ServeConfig, ServeStats
 from pipeline.serve_db import ServeDb
+from pipeline.serve_hooks import log_failed_commit, loop_gc, rebalance_listener
 from pipeline.serve_partition import PartitionState
+from pipeline.serve_writer import ServeWriter, WriteJob
 
 __all__ = ["ServeConfig", "Service", "ServeStats"]
 
@@ -56,35 +62,6 @@ def _dumps_or_none(rec) -> bytes | None:
         return orjson.dumps(rec)
     except TypeError:
         return None
-
-
-def _rebalance_listener(service: Service):
-    """A listener that seeks assigned partitions to their checkpoints.
-
-    kafka-python 3 calls it on its IO thread (an async listener keeps its loop
-    going); kafka-python 2 calls a plain listener from ``poll``."""
-    try:
-        from kafka import AsyncConsumerRebalanceListener
-    except ImportError:
-        from kafka import ConsumerRebalanceListener
-
-        class _Sync(ConsumerRebalanceListener):
-            def on_partitions_revoked(self, revoked):
-                service._revoke(revoked)
-
-            def on_partitions_assigned(self, assigned):
-                service._assign(assigned)
-
-        return _Sync()
-
-    class _Async(AsyncConsumerRebalanceListener):
-        async def on_partitions_revoked(self, revoked):
-            service._revoke(revoked)
-
-        async def on_partitions_assigned(self, assigned):
-            service._assign(assigned)
-
-    return _Async()
 
 
 def default_engine_factory():
@@ -108,6 +85,7 @@ class Service:
         self._db = ServeDb(cfg.db_path, share=cfg.share_db)
         self._consumer = None
         self._producer = None
+        self._writer: ServeWriter | None = None
         self._announcer = None
         self._last_checkpoint = time.monotonic()
         self._pending_findings: list = []
@@ -115,7 +93,6 @@ class Service:
         self._last_store = time.monotonic()
         self._pending_dead: list[tuple] = []
         self._latency_seen: set[str] = set()
-        self._delivered: list[dict] = []  # control messages sent, not yet marked in DuckDB
         self._positions_checked = 0.0
 
     def stop(self, *_args) -> None:
@@ -138,6 +115,9 @@ class Service:
         else:
             log.warning("no control secret configured: evict/recover will not be announced")
         self._producer = self.bus.producer(linger_ms=5)
+        self._writer = ServeWriter(self._db, self._producer, self.bus, group=self.cfg.group,
+                                   stats=self.stats)  # fmt: skip
+        self._writer.keep_log = self.cfg.measure_latency
         self.engine_factory()  # import the detectors now, not on the client's IO thread
         session_ms = int(self.cfg.session_timeout_s * 1000)
         self._consumer = self.bus.consumer(
@@ -149,7 +129,13 @@ class Service:
         )
         for topic in self.topics.values():  # metadata first: a join without it assigns nothing
             self._consumer.partitions_for_topic(topic)
-        self._consumer.subscribe(list(self.topics.values()), listener=_rebalance_listener(self))
+        self._consumer.subscribe(list(self.topics.values()), listener=rebalance_listener(self))
+        # One more metadata fetch, now that the subscription is known, so the client's
+        # snapshot of the subscribed partitions is current before the first join. Else the
+        # first join's leader re-joins at once, and kafka-python 3.0.12 can hang that
+        # re-join for good when another process joins at the same moment (see
+        # docs/kafka.md: two processes started together, one expelled).
+        self._consumer.topics()
 
     def _assign(self, assigned) -> None:
         """Keep the partitions we had, seek new ones to their checkpoints.
@@ -188,45 +174,51 @@ class Service:
     # -- the loop ----------------------------------------------------------
     def run(self) -> ServeStats:
         t0 = time.monotonic()
-        self._setup()
-        last_msg = time.monotonic()
         try:
-            while not self._stop.is_set():
-                batch = self._consumer.poll(
-                    timeout_ms=int(self.cfg.poll_timeout_s * 1000),
-                    max_records=self.cfg.max_poll_messages,
-                )
-                now = time.time()
-                if batch:
-                    self._consume(batch, now)
-                    last_msg = time.monotonic()
-                elif not self._parts:
-                    self._stop.wait(self.cfg.poll_timeout_s)  # unassigned: poll does not wait
-                elif time.monotonic() - last_msg > 1.0:
-                    self._resolve_positions()
-                for part in self._parts.values():
-                    self._found(part, part.engine.tick(now), now)
-                    if self.cfg.measure_latency:
-                        part.built_steps(time.time(), self.stats.step_latency_s)
-                self._write()
-                if not self._parts:
-                    last_msg = time.monotonic()  # idle counts only while partitions are ours
-                if (
-                    self.cfg.idle_exit_s is not None
-                    and time.monotonic() - last_msg > self.cfg.idle_exit_s
-                ):
-                    for part in self._parts.values():
-                        self._found(part, part.engine.flush(), time.time())
-                    break
+            self._setup()
+            with loop_gc():
+                self._loop()
             self._write(force_checkpoint=True)
-            if self._delivered:
-                with self._db.session() as db:
-                    db.write(findings=[], deadletters=[], control=self._delivered, scores=[],
-                             jobs=[], group=self.cfg.group, checkpoints=[])  # fmt: skip
+            self._writer.drain()
+            self._commit_written(wait=True)
+            self._writer.close()
+            if self.stats._first is not None:
+                end = self.stats._first + self.stats.busy_s
+                lag = [done - end for sub, done in self._writer.write_log if sub >= end]
+                self.stats.store_lag_s = lag[0] if lag else None
         finally:
             self.stats.seconds = time.monotonic() - t0
             self._close()
         return self.stats
+
+    def _loop(self) -> None:
+        last_msg = time.monotonic()
+        while not self._stop.is_set():
+            batch = self._consumer.poll(
+                timeout_ms=int(self.cfg.poll_timeout_s * 1000),
+                max_records=self.cfg.max_poll_messages,
+            )
+            now = time.time()
+            if batch:
+                self._consume(batch, now)
+                last_msg = time.monotonic()
+            elif not self._parts:
+                self._stop.wait(self.cfg.poll_timeout_s)  # unassigned: poll does not wait
+            elif time.monotonic() - last_msg > 1.0:
+                self._resolve_positions()
+            for part in self._parts.values():
+                self._found(part, part.engine.tick(now), now)
+                if self.cfg.measure_latency:
+                    part.built_steps(time.time(), self.stats.step_latency_s)
+            self._write()
+            self._commit_written()
+            if not self._parts:
+                last_msg = time.monotonic()  # idle counts only while partitions are ours
+            idle_exit = self.cfg.idle_exit_s
+            if idle_exit is not None and time.monotonic() - last_msg > idle_exit:
+                for part in self._parts.values():
+                    self._found(part, part.engine.flush(), time.time())
+                return
 
     def _resolve_positions(self) -> None:
         """Make sure every assigned partition has a fetch position.
@@ -258,12 +250,19 @@ class Service:
                 bad: list[tuple[int, str, dict]] = []
                 start = len(good)
                 try:
-                    decode_records(m.value, good, bad)
+                    batch = decode_message(m.value, good, bad)
                 except ValueError as exc:
                     self._dead(tp, m.offset, -1, str(exc), m.value)
                     continue
                 for idx, reason, rec in bad:
                     self._dead(tp, m.offset, idx, reason, _dumps_or_none(rec))
+                if batch is not None:  # step records as columns: records before it go first
+                    self._feed(tp, part, good, msgs[fed_from:k], now)
+                    if is_tel:
+                        part.note_batch(batch.job, batch.step, m.offset, now)
+                    self._feed_columns(tp, part, batch, m, now)
+                    good, fed_from = [], k + 1
+                    continue
                 if is_tel:
                     part.note_steps(good, start, m.offset, now)
                 if len(good) >= self.cfg.feed_records or k == len(msgs) - 1:
@@ -287,6 +286,22 @@ class Service:
                 self._dead(tp, m.offset, -1, f"engine error: {exc}", m.value)
             return
         self.stats.records += len(good)
+        counts = self.stats.partition_records
+        counts[tp.partition] = counts.get(tp.partition, 0) + len(good)
+        self._found(part, found, now)
+        if self.cfg.measure_latency:
+            part.built_steps(time.time(), self.stats.step_latency_s)
+
+    def _feed_columns(self, tp, part: PartitionState, batch: StepBatch, msg, now: float) -> None:
+        try:
+            found = part.engine.feed_columns(batch.job, batch.step, batch.chunk, now)
+        except Exception as exc:  # an engine bug must not stop the service
+            log.exception("engine failed on a batch from %s", tp)
+            self._dead(tp, msg.offset, -1, f"engine error: {exc}", msg.value)
+            return
+        self.stats.records += batch.n
+        counts = self.stats.partition_records
+        counts[tp.partition] = counts.get(tp.partition, 0) + batch.n
         self._found(part, found, now)
         if self.cfg.measure_latency:
             part.built_steps(time.time(), self.stats.step_latency_s)
@@ -312,10 +327,11 @@ class Service:
         self.stats.deadletters += 1
 
     def _write(self, *, force_checkpoint: bool = False) -> None:
-        """Store, publish, and (when due) checkpoint and commit, in that order.
+        """Hand findings, dead letters, control messages and (when due) a checkpoint to
+        the writer thread, which stores, publishes and flushes them in that order.
 
-        Updated findings wait up to ``store_interval_s`` (a store costs a commit,
-        so writing every loop turn would cap throughput); control messages, dead
+        Updated findings wait up to ``store_interval_s`` (a store costs a commit, so
+        writing every loop turn would cap throughput); control messages, dead
         letters and checkpoints go at once, each after the findings before them."""
         mono = time.monotonic()
         due = force_checkpoint or mono - self._last_checkpoint >= self.cfg.checkpoint_interval_s
@@ -326,36 +342,43 @@ class Service:
         ):  # fmt: skip
             return
         self._last_store = mono
-        findings, dead, control = self._pending_findings, self._pending_dead, self._pending_control
+        latest = {f.finding_id: f for f in self._pending_findings}  # the last update wins
+        job = WriteJob(
+            findings=[Finding.from_dict(f.to_dict()) for f in latest.values()],  # snapshots
+            dead=self._pending_dead,
+            control=self._pending_control,
+        )
         self._pending_findings, self._pending_dead, self._pending_control = [], [], []
-        checkpoint, commit, scores, jobs = [], {}, [], []
         if due:
-            checkpoint, commit = self._checkpoint_rows()
+            job.checkpoints, job.commit = self._checkpoint_rows()
             for part in self._parts.values():
-                scores.extend(part.engine.drain_scores())
-                jobs.extend(part.engine.job_summary(j) for j in part.engine.jobs)
-        delivered, self._delivered = self._delivered, []
-        with self._db.session() as db:
-            db.write(
-                findings=findings, deadletters=dead, control=delivered, scores=scores, jobs=jobs,
-                group=self.cfg.group, checkpoints=checkpoint,
-            )  # fmt: skip
-        self._publish(findings, dead, control)
-        if due:
-            self._producer.flush(timeout=30)
-            if commit:
-                self._commit(commit)
+                job.scores.extend(part.engine.drain_scores())
+                job.jobs.extend(part.engine.job_summary(j) for j in part.engine.jobs)
             self._last_checkpoint = time.monotonic()
             self.stats.checkpoints += 1
+        self._writer.submit(job)
 
-    def _commit(self, offsets) -> None:
+    def _commit_written(self, *, wait: bool = False) -> None:
+        """Commit the offsets of the checkpoints the writer has stored (the newest wins);
+        without waiting for the broker's answer except on the way out."""
+        merged: dict = {}
+        for offsets in self._writer.take_commits():
+            merged.update(offsets)
+        if merged:
+            self._commit(merged, wait=wait)
+
+    def _commit(self, offsets, *, wait: bool) -> None:
         """Commit offsets to Kafka; a group rebalancing meanwhile defers it to the next
         checkpoint (nothing is lost: an owner resumes from the DuckDB checkpoint, whose
-        offsets are at or past the last ones committed)."""
+        offsets are at or past the last ones committed). A commit in flight while the
+        loop goes on costs no round trip; if it fails, the next one covers it."""
         from kafka import errors as kerr
 
         try:
-            self._consumer.commit(offsets)
+            if wait:
+                self._consumer.commit(offsets)
+            else:
+                self._consumer.commit_async(offsets, callback=log_failed_commit)
         except (
             kerr.CommitFailedError, kerr.IllegalGenerationError, kerr.RebalanceInProgressError,
             kerr.UnknownMemberIdError,
@@ -384,26 +407,12 @@ class Service:
             part.dirty = False
         return rows, commit
 
-    def _publish(self, findings, dead, control) -> None:
-        from pipeline.bus_kafka import encode_records
-
-        topic = self.bus.topic
-        for f in findings:
-            self._producer.send(topic("findings"), key=f.job.encode(), value=f.to_json())
-        for msg in control:
-            self._producer.send(
-                topic("control"), key=msg["job"].encode(), value=encode_records([msg])
-            )
-            self._delivered.append(msg)
-            self.stats.control_sent += 1
-        for src, part, off, idx, reason, value in dead:
-            headers = [
-                ("reason", reason.encode()[:1000]),
-                ("source", f"{src}:{part}:{off}:{idx}".encode()),
-            ]
-            self._producer.send(topic("deadletter"), value=value or b"", headers=headers)
-
     def _close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()  # a no-op after a clean run; else writes what it holds
+            except Exception as exc:  # on the way out after another error: log, never mask
+                log.warning("closing the serve writer: %s", exc)
         for client in (self._consumer, self._producer):
             if client is None:
                 continue

@@ -23,6 +23,7 @@ from detectors.frame import COORD_NAMES, METRIC_COLUMNS, StepFrame
 __all__ = [
     "REQUIRED_STEP_FIELDS",
     "chunk_from_records",
+    "chunk_from_columns",
     "split_step_table",
     "build_frame",
     "PeerGroups",
@@ -101,6 +102,31 @@ def chunk_from_records(recs: list[dict]) -> dict[str, np.ndarray]:
             ch[m] = np.full(n, np.nan)
     if "collectives" in present:
         ch["collectives"] = _object_array(list(map(dict.get, recs, repeat("collectives"))))
+    return ch
+
+
+def chunk_from_columns(cols: dict[str, list], n: int) -> dict[str, np.ndarray]:
+    """The chunk of ``chunk_from_records`` from per-field value lists of ``n`` valid
+    ``step`` records that all carry the same fields (``bus_decode.uniform_columns``):
+    one array conversion a field, no pass over records. Raises OverflowError when an
+    int does not fit int64."""
+    ch: dict[str, np.ndarray] = {
+        "rank": np.array(cols["rank"], dtype=np.int64),
+        "world": np.array(cols["world"], dtype=np.int64),
+        "host": np.array(cols["host"], dtype=object),  # validated str: nothing to broadcast
+    }
+    digest = cols.get("param_digest")
+    ch["param_digest"] = (
+        np.array(digest, dtype=object) if digest is not None else np.full(n, None, dtype=object)
+    )
+    for c in COORD_NAMES:
+        v = cols.get(c)
+        ch[c] = np.array(v, dtype=np.int64) if v is not None else np.full(n, -1, dtype=np.int64)
+    for m in METRIC_COLUMNS:
+        v = cols.get(m)
+        ch[m] = np.array(v, dtype=np.float64) if v is not None else np.full(n, np.nan)
+    if "collectives" in cols:
+        ch["collectives"] = _object_array(cols["collectives"])
     return ch
 
 

@@ -120,3 +120,51 @@ def findings_in(db: Path) -> list[dict]:
         except StoreError:
             time.sleep(0.1)
     return []
+
+
+def group_partitions(url: str, group: str, kind: str = "telemetry") -> list[list[int]] | None:
+    """Per member of a *stable* consumer group, the partitions of ``kind`` it holds
+    (as the broker's group coordinator says); None while the group is not stable."""
+    from kafka import KafkaAdminClient
+
+    from pipeline.bus_kafka import KafkaBus
+
+    bus = KafkaBus(url)
+    admin = KafkaAdminClient(**bus.url.client_kwargs())
+    try:
+        desc = admin.describe_groups([group]).get(group) or {}
+    finally:
+        admin.close()
+    if desc.get("error") or desc.get("group_state") != "Stable":
+        return None
+    out = []
+    for member in desc.get("members") or []:
+        assigned = (member.get("member_assignment") or {}).get("assigned_partitions") or []
+        out.append(sorted(p for a in assigned if a["topic"] == bus.topic(kind)
+                          for p in a["partitions"]))  # fmt: skip
+    return out
+
+
+def group_lag(url: str, group: str, kind: str = "telemetry") -> int | None:
+    """Messages of ``kind`` not yet committed by ``group`` (None before any commit)."""
+    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+    from pipeline.bus_kafka import KafkaBus
+
+    bus = KafkaBus(url)
+    admin = KafkaAdminClient(**bus.url.client_kwargs())
+    c = KafkaConsumer(**bus.url.client_kwargs(), group_id=None)
+    try:
+        committed = {
+            tp: om.offset
+            for tp, om in admin.list_group_offsets({group: None}).get(group, {}).items()
+            if tp.topic == bus.topic(kind)
+        }
+        parts = c.partitions_for_topic(bus.topic(kind)) or set()
+        ends = c.end_offsets([TopicPartition(bus.topic(kind), p) for p in parts])
+    finally:
+        c.close()
+        admin.close()
+    if not committed:
+        return None
+    return sum(end - max(committed.get(tp, 0), 0) for tp, end in ends.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import signal
 import time
 
@@ -12,6 +13,8 @@ from kafka_helpers import (
     SECRET,
     consume_all,
     findings_in,
+    group_lag,
+    group_partitions,
     kafka_url,  # noqa: F401 - fixture
     procs,  # noqa: F401 - fixture
     rankscope,
@@ -130,10 +133,16 @@ def test_killed_serve_restarts_without_losing_or_duplicating(kafka_url, procs, t
     assert _stored(db) == stored
 
 
-# Known flake (rebalance timing in kafka-python 3: one process briefly owns both
-# partitions); rerun until its root cause is fixed, see the issue note.
-@pytest.mark.flaky(reruns=2)
 def test_two_serve_processes_split_the_jobs(kafka_url, procs, tmp_path):  # noqa: F811
+    """Two processes of one group, two jobs on two partitions: each process serves one.
+
+    Waits for real conditions, not times: the group stable with one telemetry
+    partition per member before anything is published (a process that joins late
+    would otherwise find the other holding both), and every record committed
+    before both are stopped (together: one stopping first would hand its
+    partition to the other, which is a rebalance, not a split). The two start
+    at the same moment on purpose: that is what once hung a kafka-python group
+    leader (see ``Service._setup`` and docs/kafka.md)."""
     from kafka.partitioner import murmur2
 
     def partition(job):
@@ -152,29 +161,49 @@ def test_two_serve_processes_split_the_jobs(kafka_url, procs, tmp_path):  # noqa
                             straggler=(6, 10, 2.0))  # fmt: skip
     write_jsonl(records, tmp_path / "trace.jsonl")
     db = tmp_path / "shared.duckdb"
+    group = _group(kafka_url)
     args = ("serve", "--bus", kafka_url, "--db", str(db), "--share-db", "--partitions", "2",
-            "--group", _group(kafka_url), "-v")  # fmt: skip
+            "--group", group, "--checkpoint-interval", "0.5", "-v")  # fmt: skip
     servers = [rankscope(*args), rankscope(*args)]
     procs.extend(servers)
-    time.sleep(4)  # both join before any telemetry exists
-    pub = rankscope("publish", str(tmp_path / "trace.jsonl"), "--bus", kafka_url,
-                    "--partitions", "2", "--batch", "8")  # fmt: skip
-    procs.append(pub)
-    assert pub.wait(timeout=60) == 0
-    wait_for(lambda: len(consume_all(kafka_url, "findings", expect=2, timeout_s=1)) >= 2, 60,
-             "findings of both jobs")  # fmt: skip
-    logs = []
+    seen = {}
+
+    def split_up():
+        g = seen["group"] = group_partitions(kafka_url, group)
+        return g if g and sorted(g) == [[0], [1]] else None
+
+    def caught_up():
+        seen["lag"] = group_lag(kafka_url, group)
+        return seen["lag"] == 0
+
+    try:
+        split = wait_for(split_up, 90, "both serve processes in the group, one partition each")
+        pub = rankscope("publish", str(tmp_path / "trace.jsonl"), "--bus", kafka_url,
+                        "--partitions", "2", "--batch", "8")  # fmt: skip
+        procs.append(pub)
+        assert pub.wait(timeout=60) == 0
+        wait_for(caught_up, 90, "every record processed and committed")
+    except AssertionError as exc:
+        for s in servers:
+            s.kill()
+        tails = [s.communicate(timeout=30)[1][-3000:] for s in servers]
+        raise AssertionError(f"{exc}; last seen {seen}; serve logs: {tails}") from None
+    still = group_partitions(kafka_url, group)
     for s in servers:
         s.send_signal(signal.SIGTERM)
+    logs = []
+    for s in servers:
         _, err = s.communicate(timeout=60)
         assert s.returncode == 0, err
         logs.append(err)
+    assert sorted(still or []) == sorted(split), ("a rebalance", [g[-4000:] for g in logs])
     stored = findings_in(db)
     assert {(f["job"], tuple(f["ranks"])) for f in stored} == {(jobs[0], (1,)), (jobs[1], (6,))}
-    # each process ended up owning one telemetry partition, i.e. one of the jobs
-    owned = []
+    # each process processed the records of one partition (one job), all of them
+    per_job = {job: sum(r["job"] == job for r in records) for job in jobs}
+    served = []
     for log in logs:
-        lines = [ln for ln in log.splitlines() if "rankscope.serve INFO assigned" in ln]
-        assert lines, log
-        owned.append({p for p in (0, 1) if f"telemetry', {p})" in lines[-1]})
-    assert sorted(map(sorted, owned)) == [[0], [1]]
+        (line,) = [ln for ln in log.splitlines() if ln.startswith("rankscope serve:")]
+        served.append(ast.literal_eval(line.split("records by partition ")[1]))
+    assert sorted(map(sorted, served)) == [[0], [1]], served
+    assert sorted(n for d in served for n in d.values()) == sorted(per_job.values())
