@@ -53,3 +53,13 @@ def make_records(
                 ).to_dict()
             )  # fmt: skip
     return out
+
+
+def one_step_record(**over) -> dict:
+    """One small valid ``step`` record (job j, rank 1 of 4, step 2, one collective), with
+    ``over`` applied: the unit the message-decoding tests vary field by field."""
+    r = {"v": 1, "type": "step", "job": "j", "rank": 1, "step": 2, "world": 4, "host": "h",
+         "t": 1.5, "compute_s": 0.2, "collectives": [{"op": "allreduce", "group": "dp",
+         "seq": 3, "s": 0.01}]}  # fmt: skip
+    r.update(over)
+    return r

@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 from engine_synth import make_records
+from engine_synth import one_step_record as _step
 
 from pipeline.bus_decode import StepBatch, decode_message, decode_records
 from pipeline.bus_kafka import encode_records
@@ -103,14 +104,6 @@ def test_a_uniform_message_becomes_the_chunk_of_its_records():
         got = batch.chunk[k]
         assert got.dtype == v.dtype, k
         assert np.array_equal(got, v, equal_nan=v.dtype.kind == "f"), k
-
-
-def _step(**over):
-    r = {"v": 1, "type": "step", "job": "j", "rank": 1, "step": 2, "world": 4, "host": "h",
-         "t": 1.5, "compute_s": 0.2, "collectives": [{"op": "allreduce", "group": "dp",
-         "seq": 3, "s": 0.01}]}  # fmt: skip
-    r.update(over)
-    return r
 
 
 def test_columns_only_for_what_the_record_path_accepts_unchanged():

@@ -7,6 +7,7 @@ import time
 
 import orjson
 import pytest
+from engine_synth import one_step_record as _step
 
 from collectors.control_auth import ControlAuthConfig, Verifier, canonical, load_secret, sign
 from collectors.control_listener import (
@@ -281,14 +282,6 @@ def test_listener_config_checks():
 
 
 # -- message values ---------------------------------------------------------
-
-
-def _step(**over):
-    r = {"v": 1, "type": "step", "job": "j", "rank": 1, "step": 2, "world": 4, "host": "h",
-         "t": 1.5, "compute_s": 0.2, "collectives": [{"op": "allreduce", "group": "dp",
-         "seq": 3, "s": 0.01}]}  # fmt: skip
-    r.update(over)
-    return r
 
 
 def test_values_are_one_record_or_an_array():
