@@ -112,7 +112,8 @@ def _launch_average(ctx: HookContext, bucket: Any) -> torch.futures.Future:
     hop on the comm thread (``default_hooks.allreduce_hook`` adds another)."""
     group, size = ctx.group_and_size()
     buf = bucket.buffer()
-    buf.div_(size)
+    if size > 1:  # a pass over the bucket that plain DDP fuses into its copy (docs/collectors.md)
+        buf.div_(size)
     return group.allreduce([buf]).get_future()
 
 
