@@ -18,7 +18,8 @@ findings at ``chance`` per step for the whole job. A window names a rank
 when, in addition, its mean residual exceeds the detector's floor (2 ms and
 3 % of the step), a strict majority of its group is not late the same way,
 and the group has three or more ranks. A named rank stays named while its
-longest window keeps the floor (one incident, not one per dip).
+longest window keeps the floor (one incident, not one per dip) and its
+shortest window keeps half of it (the delay has not ended).
 
 Counting last arrivals (``late_arrival``) needs no noise model but many
 steps; this needs a few steps when the delay is a few sigmas of the jitter.
@@ -67,6 +68,13 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
         ranks[rows], scale[rows], held[rows], z_threshold(n, len(ws.lengths), chance),
         lambda _lr, ex: ex > floor_s,
     )
+    # A named rank stays named on its longest window, which still holds the
+    # delayed steps for a long window after the delay ends; it is released once
+    # its shortest window has dropped under half the floor (the last few steps
+    # are back to normal), so the incident ends where the delay did.
+    _, recent = ws.means(ranks[rows], np.full(rows.size, ws.lengths[0]))
+    with np.errstate(invalid="ignore"):
+        ok &= ~(held[rows] & (recent < 0.5 * floor_s))
     hit[rows[ok]] = True
     mean[rows] = np.where(ok, ex, 0.0)
     if hit.any():  # strict healthy majority within each group

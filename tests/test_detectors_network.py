@@ -267,12 +267,14 @@ def test_fair_turns_and_a_skewed_clock_are_not_blamed():
     assert not blamed(outs)
 
 
-def start_delay_steps(steps, rng, delayed=None, onset=40, habit=None, slow_compute=None):
+def start_delay_steps(steps, rng, delayed=None, onset=40, habit=None, slow_compute=None,
+                      until=None):
     """One all-reduce per step; entry = start jitter + own compute (+ a late start).
 
     ``delayed``: from ``onset`` the rank starts 30 ms late (its previous all-reduce
     completed late: a slow link); ``habit``: a rank that always starts 10 ms late;
-    ``slow_compute``: a rank whose compute is 1.5x from ``onset`` (a straggler).
+    ``slow_compute``: a rank whose compute is 1.5x from ``onset`` (a straggler);
+    ``until``: the last delayed step.
     """
     lay = layout(8)
     frames = []
@@ -283,7 +285,7 @@ def start_delay_steps(steps, rng, delayed=None, onset=40, habit=None, slow_compu
         start = 1.7e9 + step + rng.exponential(0.004, 8)
         if habit is not None:
             start[habit] += 0.010
-        if delayed is not None and step >= onset:
+        if delayed is not None and step >= onset and (until is None or step <= until):
             start[delayed] += 0.030
         t0 = start + compute
         done = t0.max() + 0.002
@@ -301,6 +303,16 @@ def test_late_start_not_explained_by_compute_is_found_in_a_few_steps():
     got = blamed(outs)
     assert {r for _, rs in got for r in rs} == {6}
     assert 40 <= got[0][0] <= 48  # compute noise +-40 % hides it from single steps
+
+
+def test_named_rank_is_released_a_few_steps_after_its_delay_ends():
+    # The longest window still averages the delayed steps for ~30 steps after
+    # the end; "since when, until when" must follow the delay, not the window.
+    rng = np.random.default_rng(43)
+    outs, _ = run(network, start_delay_steps(130, rng, delayed=6, until=80))
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {6}
+    assert 80 <= max(i for i, _ in got) <= 86
 
 
 def test_habitually_late_rank_and_compute_straggler_are_not_network_faults():
