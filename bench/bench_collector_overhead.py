@@ -149,7 +149,7 @@ def _thread_stats(arm: list[float], plain: list[float]) -> dict:
     }
 
 
-def _make_arm(name: str, work: Workload, background: bool = True):
+def _make_arm(name: str, work: Workload, background: bool | None = None):
     model = torch.nn.parallel.DistributedDataParallel(work.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rc = None
@@ -182,7 +182,9 @@ def _block(model, opt, rc, x, y, steps: int, loss_fn) -> tuple[float, float, flo
     return wall, cpu, thread, getattr(digester, "waited_s", 0.0) - waited0
 
 
-def _interleaved(rank: int, work: Workload, steps: int, block: int, background: bool) -> dict:
+def _interleaved(
+    rank: int, work: Workload, steps: int, block: int, background: bool | None
+) -> dict:
     names = ARMS_OF[work.name]
     arms = {name: _make_arm(name, work, background) for name in names}
     x, y = work.make_batch(rank)
@@ -259,7 +261,7 @@ def _stalled(work: Workload, rank: int) -> dict:
 def _worker(rank: int, tmp: str, args: argparse.Namespace, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=WORLD)
-    background = not args.digest_on_training_thread
+    background = {"auto": None, "inline": False, "worker": True}[args.digest]
     plan = {"mlp": (args.steps, args.block), "lm": (args.lm_steps, args.lm_block)}
     try:
         result = {"rank": rank, "workloads": {}}
@@ -311,7 +313,7 @@ def _print_workload(name: str, rank: int, w: dict) -> None:
     )
     print(
         f"  alone: one grad-norm pass {norm:.0f} us, digest sums {w['digest_sums_us']:.0f} us "
-        f"(on the digest worker); off the training thread the sender builds a record in "
+        f"(one read of the parameters); off the training thread the sender builds a record in "
         f"{w['record_us']:.0f} us (digest hash {w['digest_hash_us']:.0f} us of it)"
     )
 
@@ -322,7 +324,7 @@ def _print(results: list[dict], args) -> None:
         print(
             f"[{name}] CPU DDP, {WORLD} gloo ranks, {w0['describe']}, {w0['params']} "
             f"parameters, {w0['rounds']} rounds x {w0['block']} steps per arm "
-            "(blocks interleaved, order rotated)"
+            f"(blocks interleaved, order rotated), digest {args.digest}"
         )
         for r in results:
             _print_workload(name, r["rank"], r["workloads"][name])
@@ -353,9 +355,11 @@ def main() -> int:
     ap.add_argument("--lm-block", type=int, default=2, help="LM steps per timed block")
     ap.add_argument("--workloads", type=_workloads, default=["mlp", "lm"], help="mlp,lm")
     ap.add_argument(
-        "--digest-on-training-thread",
-        action="store_true",
-        help="digest_in_background=False (to compare with the worker thread)",
+        "--digest",
+        choices=("auto", "inline", "worker"),
+        default="auto",
+        help="where the digest runs: as shipped (auto: inline for CPU parameters), "
+        "on the training thread, or on the worker thread",
     )
     args = ap.parse_args()
     if min(args.steps, args.block, args.lm_steps, args.lm_block) < 1:
