@@ -212,7 +212,7 @@ def split_step_table(table, world_cap: int | None = None, cache: dict | None = N
         step = _ints(table.column("step"), -1)
         world = _ints(table.column("world"), 0)
         t = _floats(table.column("t"))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+    except pa.ArrowException as exc:  # invalid, type or unsupported-cast errors alike
         raise ValueError(f"step table has a column of the wrong type: {exc}") from exc
     reject((rank < 0) | (rank >= world), "rank outside 0..world-1")
     if world_cap is not None:
