@@ -61,7 +61,11 @@ def _np_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _np_word_sums(raw: np.ndarray) -> list[np.int64]:
-    """Wrapped int64 sums of ``raw``'s whole 8-byte words and of its trailing bytes."""
+    """Wrapped int64 sums of ``raw``'s whole 8-byte words and of its trailing bytes.
+
+    Words count from ``raw``'s first byte, wherever it starts in memory, as on
+    every replica; numpy reads an unaligned int64 view correctly, more slowly.
+    """
     words = raw.size // 8
     out = []
     if words:
@@ -83,25 +87,6 @@ def _torch_word_sums(t: torch.Tensor) -> list[torch.Tensor]:
     if raw.numel() > words * 8:
         out.append(raw[words * 8 :].sum(dtype=torch.int64))
     return out
-
-
-class _CpuEntry:
-    """Numpy views of one large CPU parameter, valid while its storage is the same."""
-
-    __slots__ = ("words", "tail")
-
-    def __init__(self, raw: np.ndarray) -> None:
-        n = raw.size // 8
-        # numpy reads an unaligned int64 view correctly (more slowly): the
-        # words still count from the tensor's first byte, as on every replica
-        self.words = raw[: n * 8].view(np.int64) if n else None
-        self.tail = raw[n * 8 :] if raw.size > n * 8 else None
-
-    def sums(self, out: list) -> None:
-        if self.words is not None:
-            out.append(self.words.sum(dtype=np.int64))
-        if self.tail is not None:
-            out.append(self.tail.sum(dtype=np.int64))
 
 
 class _SmallGroup:
@@ -134,7 +119,7 @@ class DigestPlan:
         self._device: list[int] = []  # indices of parameters elsewhere
         for i, p in enumerate(self._params):
             (self._cpu if p.device.type == "cpu" else self._device).append(i)
-        self._large: list[_CpuEntry] = []
+        self._large: list[np.ndarray] = []  # byte views of the large CPU parameters
         self._small: _SmallGroup | None = None
         self._shares: bool = False  # every cached view shares its parameter's memory
         self._keys: list[tuple] = []
@@ -157,8 +142,8 @@ class DigestPlan:
         if keys != self._keys or not self._shares:
             self._rebuild(keys)
         values: list = []
-        for entry in self._large:
-            entry.sums(values)
+        for raw in self._large:
+            values.extend(_np_word_sums(raw))
         if self._small is not None:
             self._small.sums(values)
         return np.array(values, dtype=np.int64)
@@ -174,7 +159,7 @@ class DigestPlan:
             if raw.size < SMALL_BYTES:
                 small.append(raw)
             else:
-                self._large.append(_CpuEntry(raw))
+                self._large.append(raw)
         self._small = _SmallGroup(small) if small else None
         self._shares = shares
 
