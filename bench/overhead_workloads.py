@@ -10,8 +10,9 @@ benchmark measures two points:
   almost nothing per parameter, the worst case for the collector's fixed
   costs (100 µs is 2-3% of its step);
 * ``lm``: a small causal transformer language model (about 0.5M parameters)
-  on 8 sequences of 128 tokens a step: the shape of real training, where a
-  step processes many tokens per parameter.
+  on 8 sequences of 128 tokens a step, clipping its gradients as language
+  model loops do: the shape of real training, where a step processes many
+  tokens per parameter (and the collector reuses the clipping's norm).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Workload:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # rank -> (inputs, targets)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    clip: float | None = None  # the loop clips gradients to this L2 norm (every arm)
 
 
 def _mlp(hidden: int = 256, batch: int = 32) -> Workload:
@@ -104,10 +106,12 @@ def _lm(
 
     return Workload(
         name="lm",
-        describe=f"causal LM d_model {d_model} x {layers} layers, {batch} x {seq} tokens",
+        describe=f"causal LM d_model {d_model} x {layers} layers, {batch} x {seq} tokens, "
+        "gradients clipped to norm 1 as LM loops do",
         make_model=make_model,
         make_batch=make_batch,
         loss=loss,
+        clip=1.0,
     )
 
 

@@ -32,11 +32,13 @@ class CollectorConfig:
     """Compute ``param_digest`` every this many steps (1 = every step; 0 = never)."""
     digest_in_background: bool | None = None
     """Compute the digest on a worker thread between the optimizer step and the next one
-    (True), or on the training thread at the step boundary (False). None (default): in
-    the background when a parameter lives on an accelerator (the read is kernels the
-    worker queues), inline when all are on CPU (the read is CPU work wherever it runs,
-    and a hand-off to a Python thread only adds GIL contention). Loops that change
-    parameters through ``.data`` between steps, which the worker cannot notice, set False."""
+    (True), or on the training thread at the step boundary (False). None (default): the
+    worker when a parameter lives on an accelerator (the read is kernels the worker
+    queues), inline when all are on CPU: the read is CPU work wherever it runs, and on a
+    host whose cores training fills, a Python worker only adds GIL hand-offs (measured:
+    docs/collectors.md). A worker job not started by the next optimizer step is taken
+    over by the training thread. Loops that change parameters through ``.data`` between
+    steps, which the worker cannot notice, set False."""
     ddp_group_name: str = "dp"
     """Group name written for the DDP gradient all-reduce collectives."""
 

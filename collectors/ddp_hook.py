@@ -5,7 +5,9 @@ DDP overlaps the gradient all-reduce with backward, so by the time
 place to see this rank's LOCAL gradient is the bucket handed to the
 communication hook, before it is reduced: that is where ``grad_norm`` and
 ``nonfinite`` come from. The reduced bucket (what the hook's future yields)
-gives ``grad_norm_reduced``, computed on the completing comm thread.
+gives ``grad_norm_reduced``, computed on the completing comm thread, unless
+the loop clips gradients: then the clipping's norm is that value and the
+pass is skipped (``collectors/clip_patch.py``).
 
 The local statistics are taken from the bucket as DDP hands it over, BEFORE
 the user's hook runs; a fault that corrupts a local gradient should do so
@@ -25,17 +27,19 @@ launch returning to the last reduction completing, counts as ``comm_s`` too
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
+from collectors.grad_stats import tensor_norm_stats
+from collectors.self_time import SelfTime
 from collectors.step_state import StepState
 
-__all__ = ["HookContext", "make_ddp_hook", "tensor_norm_stats", "hook_context"]
+__all__ = ["HookContext", "make_ddp_hook", "hook_context"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -48,7 +52,16 @@ hook_context = threading.local()
 class HookContext:
     """Settings the hook closure reads; swapped to pass-through at close."""
 
-    __slots__ = ("state", "group_name", "user_hook", "user_state", "process_group", "active", "_pg")
+    __slots__ = (
+        "state",
+        "group_name",
+        "user_hook",
+        "user_state",
+        "process_group",
+        "active",
+        "self_time",
+        "_pg",
+    )
 
     def __init__(
         self,
@@ -64,6 +77,7 @@ class HookContext:
         self.user_state = user_state
         self.process_group = process_group
         self.active = True
+        self.self_time = SelfTime()  # the collector's, shared when attached
         self._pg: tuple[Any, int] | None = None
 
     def group_and_size(self) -> tuple[Any, int]:
@@ -76,45 +90,42 @@ class HookContext:
         return self._pg
 
 
-def tensor_norm_stats(t: torch.Tensor) -> tuple[Any, Any]:
-    """(L2 norm, nonfinite count) of ``t``; on accelerators both stay lazy tensors.
+_NUMPY_SCALED = (torch.float32, torch.float64)
 
-    On CPU the norm is taken in the tensor's own precision (float32 at least),
-    which is one vectorized pass; only when that is not finite is it taken
-    again accumulating in float64 (an exponent bit flip, ~1e34, squared
-    overflows float32 and would turn the very value that shows the corruption
-    into inf) and, if still not finite, the nonfinite elements counted. The
-    common case is therefore one cheap pass.
+
+def _launch_average(ctx: HookContext, buf: torch.Tensor) -> tuple[torch.futures.Future, float]:
+    """DDP's default reduction (the bucket times 1/group size, summed over the
+    group) launched on the process group directly: no pass through the
+    ``torch.distributed`` Python wrappers (nor the collector's own patch of
+    them), and the raw future back, so that the collector's completion
+    callback is the only Python hop on the comm thread.
+
+    The bucket is scaled BEFORE the reduction with the very reciprocal plain
+    DDP multiplies by while it copies gradients into its buckets, so the
+    result is bit for bit plain DDP's. That matters beyond reproducibility:
+    ranks without the collector (attached on some ranks only) or with
+    ``default_hooks.allreduce_hook`` scale first too, and a rank that scaled
+    after the sum would silently corrupt every rank's gradient. The price is
+    one pass over the bucket that plain DDP fuses into its copy
+    (docs/collectors.md), made in numpy for CPU float buckets (same float32
+    or float64 products, less dispatch). Also returns the seconds the launch
+    itself took.
     """
-    if t.numel() == 0:
-        return 0.0, 0
-    t = t.detach()
-    if t.device.type == "cpu":
-        if t.dtype in (torch.float32, torch.float64):
-            value = float(torch.linalg.vector_norm(t))
-        else:
-            value = float(torch.linalg.vector_norm(t, dtype=torch.float32))
-        if math.isfinite(value):
-            return value, 0
-        value = float(torch.linalg.vector_norm(t, dtype=torch.float64))
-        if math.isfinite(value):
-            return value, 0
-        return value, int((~torch.isfinite(t)).sum())
-    norm = torch.linalg.vector_norm(t, dtype=torch.float64)
-    return norm, (~torch.isfinite(t)).sum()
-
-
-def _launch_average(ctx: HookContext, bucket: Any) -> torch.futures.Future:
-    """DDP's default reduction (divide by the group size, all-reduce) launched on
-    the process group directly: no pass through the ``torch.distributed``
-    Python wrappers (nor the collector's own patch of them), and the raw
-    future back, so the collector's completion callback is the only Python
-    hop on the comm thread (``default_hooks.allreduce_hook`` adds another)."""
     group, size = ctx.group_and_size()
-    buf = bucket.buffer()
-    if size > 1:  # a pass over the bucket that plain DDP fuses into its copy (docs/collectors.md)
-        buf.div_(size)
-    return group.allreduce([buf]).get_future()
+    if size > 1:
+        if buf.device.type == "cpu" and buf.dtype in _NUMPY_SCALED:
+            flat = buf.numpy()
+            np.multiply(flat, 1.0 / size, out=flat)
+        else:
+            buf.mul_(1.0 / size)
+    t0 = time.perf_counter()
+    fut = group.allreduce([buf]).get_future()
+    return fut, time.perf_counter() - t0
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    """The reduced bucket out of what a reduction's future yields ([tensor] or tensor)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 def make_ddp_hook(ctx: HookContext) -> Callable:
@@ -123,11 +134,15 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
     def rankscope_comm_hook(state, bucket):  # no annotations: DDP inspects them
         if not ctx.active:
             return _reduce(bucket)
+        t_start = time.perf_counter()
         st = ctx.state
         entry = None
+        norm_s = launch_s = 0.0
+        buf = bucket.buffer()
         try:
-            buf = bucket.buffer()
+            t_norm = time.perf_counter()
             norm, nonfinite = tensor_norm_stats(buf)
+            norm_s = time.perf_counter() - t_norm
             st.local_sq.append(norm)
             st.nonfinite.append(nonfinite)
             entry = st.enter_collective(
@@ -139,45 +154,50 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
         t_enter = time.perf_counter()
         try:
             if ctx.user_hook is None:
-                fut = _launch_average(ctx, bucket)
+                fut, launch_s = _launch_average(ctx, buf)
             else:
                 hook_context.active = True
-                fut = _reduce(bucket)
+                fut = ctx.user_hook(ctx.user_state, bucket)
         finally:
             hook_context.active = False
             t_exit = time.perf_counter()
+            if ctx.user_hook is not None:
+                launch_s = t_exit - t_enter  # the user's reduction is not the collector's cost
             st.comm_s += t_exit - t_enter
             st.last_launch_exit_perf = t_exit
             last = st.buckets_prev_step and st.buckets >= st.buckets_prev_step
             if last and st.buckets_done < st.buckets:
                 st.phase = "collective"  # last bucket launched: backward now waits
-        if entry is None:
-            return fut
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            value = f.value()
-            if ctx.user_hook is None:
-                value = value[0]  # the all-reduce future yields [tensor]
+            reduced = _first_tensor(f.value())
+            if entry is None:
+                return reduced
             try:
                 now = time.perf_counter()
-                st.last_done_perf = (
-                    now if st.last_done_perf is None else max(now, st.last_done_perf)
-                )
+                last_done = st.last_done_perf
+                st.last_done_perf = now if last_done is None or now > last_done else last_done
                 st.finish_collective(entry, now - t_enter)
                 st.buckets_done += 1
                 if st.phase == "collective" and st.buckets_done >= st.buckets:
                     st.phase = "optimizer"  # backward is released: clip, step...
-                reduced = value[0] if isinstance(value, (list, tuple)) else value
-                st.reduced_sq.append(tensor_norm_stats(reduced)[0])
+                if not st.clip_seen:  # else the loop's clip_grad_norm_ gives it
+                    st.reduced_sq.append(tensor_norm_stats(reduced)[0])
             except Exception as exc:
                 log.debug("comm hook completion bookkeeping failed: %s", exc)
-            return value
+            return reduced
 
-        return fut.then(done)
+        if entry is not None or ctx.user_hook is None:
+            fut = fut.then(done)
+        spent = ctx.self_time
+        spent.grad_norm_s += norm_s
+        spent.launch_s += launch_s
+        spent.comm_hook_s += time.perf_counter() - t_start - norm_s - launch_s
+        return fut
 
     def _reduce(bucket) -> torch.futures.Future:
         if ctx.user_hook is not None:
             return ctx.user_hook(ctx.user_state, bucket)
-        return _launch_average(ctx, bucket).then(lambda f: f.value()[0])
+        return _launch_average(ctx, bucket.buffer())[0].then(lambda f: _first_tensor(f.value()))
 
     return rankscope_comm_hook

@@ -60,18 +60,20 @@ def _np_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _np_word_sums(raw: np.ndarray) -> list[np.int64]:
-    """Wrapped int64 sums of ``raw``'s whole 8-byte words and of its trailing bytes.
+def _np_word_views(raw: np.ndarray) -> list[np.ndarray]:
+    """Views of ``raw`` whose wrapped int64 sums make up its digest: its whole 8-byte
+    words as int64, then its trailing bytes (if any) as uint8.
 
     Words count from ``raw``'s first byte, wherever it starts in memory, as on
     every replica; numpy reads an unaligned int64 view correctly, more slowly.
+    The views are built once and summed every step.
     """
     words = raw.size // 8
     out = []
     if words:
-        out.append(raw[: words * 8].view(np.int64).sum(dtype=np.int64))
+        out.append(raw[: words * 8].view(np.int64))
     if raw.size > words * 8:
-        out.append(raw[words * 8 :].sum(dtype=np.int64))
+        out.append(raw[words * 8 :])
     return out
 
 
@@ -92,22 +94,18 @@ def _torch_word_sums(t: torch.Tensor) -> list[torch.Tensor]:
 class _SmallGroup:
     """The small CPU parameters, their bytes concatenated into one reused buffer."""
 
-    __slots__ = ("views", "buffer")
+    __slots__ = ("views", "buffer", "sums_of")
 
     def __init__(self, views: list[np.ndarray]) -> None:
         self.views = views
-        self.buffer = np.empty(sum(v.size for v in views), dtype=np.uint8)
+        self.buffer = (
+            views[0] if len(views) == 1 else np.empty(sum(v.size for v in views), np.uint8)
+        )
+        self.sums_of = _np_word_views(self.buffer)
 
-    def sums(self, out: list) -> None:
-        if len(self.views) == 1:
-            out.extend(_np_word_sums(self.views[0]))
-            return
-        np.concatenate(self.views, out=self.buffer)
-        out.extend(_np_word_sums(self.buffer))
-
-
-def _key(p: torch.Tensor) -> tuple:
-    return (p.data_ptr(), p.numel(), p.dtype)
+    def refresh(self) -> None:
+        if len(self.views) > 1:
+            np.concatenate(self.views, out=self.buffer)
 
 
 class DigestPlan:
@@ -119,7 +117,8 @@ class DigestPlan:
         self._device: list[int] = []  # indices of parameters elsewhere
         for i, p in enumerate(self._params):
             (self._cpu if p.device.type == "cpu" else self._device).append(i)
-        self._large: list[np.ndarray] = []  # byte views of the large CPU parameters
+        self._cpu_params = [self._params[i] for i in self._cpu]
+        self._summed: list[np.ndarray] = []  # word and tail views of the large CPU tensors
         self._small: _SmallGroup | None = None
         self._shares: bool = False  # every cached view shares its parameter's memory
         self._keys: list[tuple] = []
@@ -137,29 +136,29 @@ class DigestPlan:
         return out
 
     def _cpu_sums(self) -> np.ndarray:
-        params = self._params
-        keys = [_key(params[i]) for i in self._cpu]
+        # (address, size) tells a parameter given new storage (``p.data = ...``); the
+        # cached views keep the old storage alive, so its address cannot be reused
+        keys = [(p.data_ptr(), p.nbytes) for p in self._cpu_params]
         if keys != self._keys or not self._shares:
             self._rebuild(keys)
-        values: list = []
-        for raw in self._large:
-            values.extend(_np_word_sums(raw))
-        if self._small is not None:
-            self._small.sums(values)
-        return np.array(values, dtype=np.int64)
+        small = self._small
+        if small is not None:
+            small.refresh()
+        views = self._summed if small is None else self._summed + small.sums_of
+        return np.array([v.sum(dtype=np.int64) for v in views], dtype=np.int64)
 
     def _rebuild(self, keys: list[tuple]) -> None:
         """(Re)build the numpy views; kept only while they share the parameters' memory."""
         self._keys = keys
-        self._large, small, shares = [], [], True
-        for i, key in zip(self._cpu, keys, strict=True):
-            t = _plain(self._params[i])
+        self._summed, small, shares = [], [], True
+        for p, (ptr, _) in zip(self._cpu_params, keys, strict=True):
+            t = _plain(p)
             raw = _np_bytes(t)
-            shares = shares and t.data_ptr() == key[0] and raw.ctypes.data == key[0]
+            shares = shares and t.data_ptr() == ptr and raw.ctypes.data == ptr
             if raw.size < SMALL_BYTES:
                 small.append(raw)
             else:
-                self._large.append(raw)
+                self._summed.extend(_np_word_views(raw))
         self._small = _SmallGroup(small) if small else None
         self._shares = shares
 

@@ -1,15 +1,21 @@
-"""Computing ``param_digest`` off the training thread.
+"""Computing ``param_digest`` off the training thread, when a core is free for it.
 
 The digest reads every parameter byte once; on the training thread that is
 the largest cost the collector has after the gradient norm. Its kernels
 (numpy on CPU, torch on an accelerator) release the GIL, so the read can
-overlap the next step's data loading, forward and backward on a background
-thread (where a core is free: on a CPU host that training fills, the read's
-cost lands on the step wherever it runs; see docs/collectors.md). The rule that keeps
-it correct: the digest must read the parameters as the optimizer step left
-them, so it starts at the step boundary (the optimizer post-hook, after any
-post-hook registered before attach) and the training thread joins it before
-the next optimizer step (its pre-hook) mutates them.
+overlap the next step's data loading, forward and backward (and, on a CPU
+job, the waits for the gradient all-reduce) on a background thread. The rule
+that keeps it correct: the digest must read the parameters as the optimizer
+step left them, so it starts at the step boundary (the optimizer post-hook,
+after any post-hook registered before attach) and the training thread joins
+it before the next optimizer step (its pre-hook) mutates them.
+
+The join never waits for a worker that has not started: a job is claimed by
+whichever thread gets to it first. When the worker was not scheduled before
+the next optimizer step (all cores busy, as when CPU ranks fill the host),
+the training thread takes the job over and digests inline, which costs what
+an inline digest costs and no more; when the worker is part way through, the
+join waits for the rest of one read. ``stolen`` and ``waited_s`` count both.
 
 Something else may change the parameters in between (a weight clamp after
 ``optimizer.step()``, ``load_state_dict``, a second optimizer). The worker
@@ -46,15 +52,17 @@ _RESOLVE_TIMEOUT_S = 5.0
 class DigestJob:
     """One step's digest: filled by the worker, hashed by the sender thread.
 
-    Completion is a lock held from creation until the worker is done: ten
+    Completion is a lock held from creation until the job is done: ten
     times cheaper to create on the training thread than a ``threading.Event``.
+    ``claim`` is taken, without waiting, by the one thread that computes it.
     """
 
-    __slots__ = ("_lock", "stacks")
+    __slots__ = ("_lock", "claim", "stacks")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self.claim = threading.Lock()
         self.stacks: list[torch.Tensor] | None = None
 
     def set_done(self) -> None:
@@ -83,7 +91,8 @@ class DigestWorker:
         self._jobs: SimpleQueue = SimpleQueue()
         self._current: DigestJob | None = None
         self.waited_s = 0.0  # training-thread time spent in join() waiting for the worker
-        self.waits = 0  # joins that had to wait
+        self.waits = 0  # joins that had to wait for a read in progress
+        self.stolen = 0  # jobs the training thread digested itself (worker not started)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -96,9 +105,19 @@ class DigestWorker:
         return job
 
     def join(self) -> None:
-        """Wait for the job in flight, if any (training thread, before params change)."""
+        """Finish the job in flight, if any (training thread, before params change):
+        take it over if the worker has not started it, else wait for the worker."""
         job, self._current = self._current, None
         if job is None or job.wait(0.0):
+            return
+        if job.claim.acquire(blocking=False):
+            self.stolen += 1
+            try:
+                job.stacks = self._plan.sums()  # nothing changes the parameters meanwhile
+            except Exception as exc:
+                log.debug("param digest failed: %s", exc)
+            finally:
+                job.set_done()
             return
         t0 = time.perf_counter()
         if not job.wait(_RESOLVE_TIMEOUT_S):
@@ -118,6 +137,8 @@ class DigestWorker:
             job = self._jobs.get()
             if job is None:
                 return
+            if not job.claim.acquire(blocking=False):
+                continue  # the training thread took it over
             try:
                 for _ in range(_RETRIES):
                     before = [p._version for p in params]
@@ -148,6 +169,9 @@ class InlineDigest:
         pass
 
 
-def make_digester(params: list[torch.Tensor], *, background: bool, name: str):
-    """A ``DigestWorker`` (background) or an ``InlineDigest``."""
+def make_digester(params: list[torch.Tensor], *, background: bool | None, name: str):
+    """A ``DigestWorker`` or an ``InlineDigest``; ``background=None`` picks the worker
+    only when a parameter lives on an accelerator (``CollectorConfig``)."""
+    if background is None:
+        background = any(p.device.type != "cpu" for p in params)
     return DigestWorker(params, name=name) if background else InlineDigest(params)

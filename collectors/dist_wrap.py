@@ -29,7 +29,7 @@ import torch
 from collectors.ddp_hook import hook_context
 from collectors.step_state import StepState
 
-__all__ = ["DistPatch", "OP_NAMES"]
+__all__ = ["DistPatch", "OP_NAMES", "group_label"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -59,6 +59,24 @@ def _nbytes(obj: Any) -> int | None:
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
         return sum(t.numel() * t.element_size() for t in obj)
     return None
+
+
+def group_label(group: Any, known: dict[int, str]) -> str:
+    """The name a collective's process group is recorded under: the topology's name
+    for it when known, ``world`` for the default group, else its own name."""
+    if group is None:
+        return "world"
+    name = known.get(id(group))
+    if name:
+        return name
+    try:
+        import torch.distributed as dist
+
+        if group is dist.group.WORLD:
+            return "world"
+    except Exception:
+        pass
+    return str(getattr(group, "group_name", None) or f"pg{id(group):x}")
 
 
 class DistPatch:

@@ -122,9 +122,11 @@ class GpuCollector:
         self.cfg = config or GpuCollectorConfig()
         self.rank_map = {int(k): int(v) for k, v in (rank_map or {}).items()}
         self.rank = rank
-        self._want = None if devices is None else [
-            d if isinstance(d, str) and not d.isdigit() else int(d) for d in devices
-        ]
+        self._want = (
+            None
+            if devices is None
+            else [d if isinstance(d, str) and not d.isdigit() else int(d) for d in devices]
+        )
         self._backend = NvmlBackend(nvml)
         self._own_sender = sender is None
         if sender is None:
@@ -182,10 +184,10 @@ class GpuCollector:
             return self._go_idle(f"no usable NVIDIA driver ({exc})")
         self.driver_version = self._backend.driver_version()
         self._infos = {i.index: i for i in infos}
-        wanted = list(self._infos) if self._want is None else [self._resolve(d)
-                                                               for d in self._want]
-        unknown = [w for w, d in zip(self._want or [], wanted, strict=False)
-                   if d not in self._infos]
+        wanted = list(self._infos) if self._want is None else [self._resolve(d) for d in self._want]
+        unknown = [
+            w for w, d in zip(self._want or [], wanted, strict=False) if d not in self._infos
+        ]
         if unknown:
             log.warning(
                 "rankscope gpu collector: GPU(s) %s not on this host (it has %d)",
@@ -211,8 +213,9 @@ class GpuCollector:
         """NVML index of a selector: an index, or a UUID (prefix) as CUDA accepts."""
         if isinstance(selector, int):
             return selector
-        hits = [i for i, info in self._infos.items() if info.uuid and
-                info.uuid.startswith(selector)]
+        hits = [
+            i for i, info in self._infos.items() if info.uuid and info.uuid.startswith(selector)
+        ]
         return hits[0] if len(hits) == 1 else None
 
     def collect(self, now: float | None = None) -> list[dict]:
@@ -268,8 +271,9 @@ class GpuCollector:
     def _go_idle(self, reason: str) -> bool:
         if self.notice is None:
             self.notice = reason
-            log.warning("rankscope gpu collector: %s; GPU telemetry is off, training goes on",
-                        reason)
+            log.warning(
+                "rankscope gpu collector: %s; GPU telemetry is off, training goes on", reason
+            )
         return False
 
     def _lose(self, index: int, exc: BaseException) -> None:

@@ -11,16 +11,18 @@ loops without an optimizer to hook). Hooks registered on the optimizer BEFORE
 attach run before the collector's, so a fault injected there is already seen
 by that step's ``param_digest``.
 
-What runs on the training thread is bookkeeping of a few microseconds, the
-DDP reduction going through a Python communication hook (the only place the
-local, pre-reduction gradient can be seen) and the local gradient norm in that
-hook. The reduced norm runs in the reduction's completion callback, the
-parameter digest on a worker thread between one optimizer step and the next
-(``collectors/digest_worker.py``); conversions that could wait for a device,
-hashing and serialization happen on the sender thread (docs/collectors.md has
-measured figures). No hook ever
-raises into training: a failure of the collector's own bookkeeping is logged
-at debug level and the step goes on.
+What runs on the training thread is bookkeeping of a few microseconds per
+hook, the DDP reduction going through a Python communication hook (the only
+place the local, pre-reduction gradient can be seen) with the local gradient
+norm taken there, and the parameter digest at the step boundary (inline for
+CPU parameters; queued to a worker thread for accelerator ones,
+``collectors/digest_worker.py``). The reduced norm runs in the reduction's
+completion callback, or is taken from the loop's own ``clip_grad_norm_``
+(``collectors/clip_patch.py``); conversions that could wait for a device,
+hashing and serialization happen on the sender thread. The collector times
+its own code as it runs (``rc.self_time``; docs/collectors.md has measured
+figures). No hook ever raises into training: a failure of the collector's
+own bookkeeping is logged at debug level and the step goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Any
@@ -36,10 +37,13 @@ from typing import Any
 import torch
 
 from collectors.beat import BeatThread
+from collectors.clip_patch import ClipPatch
 from collectors.config import CollectorConfig
-from collectors.ddp_hook import HookContext, make_ddp_hook, tensor_norm_stats
+from collectors.ddp_hook import HookContext, make_ddp_hook
 from collectors.digest_worker import make_digester
-from collectors.dist_wrap import DistPatch
+from collectors.dist_wrap import DistPatch, group_label
+from collectors.grad_stats import clip_norm_stats, grads_norm_stats
+from collectors.self_time import SelfTime
 from collectors.sender import Sender, SenderStats
 from collectors.sinks import make_sink
 from collectors.step_record import build_step_record
@@ -71,9 +75,11 @@ class RankCollector:
         self._sender = sender
         self._params = params
         self.state = StepState()
+        self._self_time = SelfTime()
         self._handles: list[Any] = []
         self._hook_ctx: HookContext | None = None
         self._dist_patch: DistPatch | None = None
+        self._clip_patch: ClipPatch | None = None
         self._beat: BeatThread | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._digester: Any = None  # digest_worker.DigestWorker or InlineDigest
@@ -184,11 +190,12 @@ class RankCollector:
                     "RankCollector.attach: could not register the DDP communication hook "
                     f"({exc}); DDP allows one hook: pass yours as comm_hook= instead"
                 ) from None
+            ctx.self_time = self._self_time
             self._hook_ctx = ctx
         if self.config.digest_every_steps:
             self._digester = make_digester(
                 self._params,
-                background=_digest_in_background(self.config, self._params),
+                background=self.config.digest_in_background,
                 name=f"rankscope-digest-{self.identity.rank}",
             )
         if optimizer is not None:
@@ -196,10 +203,10 @@ class RankCollector:
             self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
         groups = {id(g): name for name, g in self.identity.groups.items()}
-        self._dist_patch = DistPatch(
-            st, lambda g: self._group_name(g, groups), threading.get_ident()
-        )
+        self._dist_patch = DistPatch(st, lambda g: group_label(g, groups), threading.get_ident())
         self._dist_patch.install()
+        self._clip_patch = ClipPatch(st, self._params, threading.get_ident())
+        self._clip_patch.install()
         st.step_start_perf = time.perf_counter()
         st.phase = "data"
         self._beat = BeatThread(
@@ -213,22 +220,6 @@ class RankCollector:
         self._beat.start()
         atexit.register(self.close)
 
-    @staticmethod
-    def _group_name(group: Any, known: dict[int, str]) -> str:
-        if group is None:
-            return "world"
-        name = known.get(id(group))
-        if name:
-            return name
-        try:
-            import torch.distributed as dist
-
-            if group is dist.group.WORLD:
-                return "world"
-        except Exception:
-            pass
-        return str(getattr(group, "group_name", None) or f"pg{id(group):x}")
-
     # ------------------------------------------------------------- public API
 
     @property
@@ -237,12 +228,19 @@ class RankCollector:
         return self.state.step
 
     @property
+    def self_time(self) -> SelfTime:
+        """A snapshot of what the collector's own code has cost the training thread
+        (cumulative seconds by part, ``collectors/self_time.py``)."""
+        return self._self_time.copy()
+
+    @property
     def stats(self) -> SenderStats:
         """Sender counters: enqueued, sent, dropped (queue full / failed sends), errors."""
         return self._sender.stats
 
     def loss(self, value: Any) -> None:
         """Report this rank's loss for the step in progress (or the one that just ended)."""
+        t0 = time.perf_counter()
         try:
             value = value.detach() if isinstance(value, torch.Tensor) else value
             if self._pending is not None:
@@ -252,6 +250,7 @@ class RankCollector:
                 self.state.loss = value
         except Exception as exc:
             log.debug("loss() failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
 
     def tokens(self, count: int) -> None:
         """Report the tokens of the step in progress (overrides the count taken from
@@ -271,12 +270,13 @@ class RankCollector:
             self.loss(loss)
         if self._optimizer is not None:
             return
+        t0 = time.perf_counter()
         try:
             self._fallback_grad_stats()
             self._boundary()
         except Exception as exc:
             log.debug("step() failed: %s", exc)
-        self._control_boundary()
+        self._control_boundary(t0)
 
     def close(self) -> None:
         """Detach, emit what is pending, drain the sender (bounded wait). Idempotent."""
@@ -294,6 +294,8 @@ class RankCollector:
                 self._hook_ctx.active = False
             if self._dist_patch is not None:
                 self._dist_patch.uninstall()
+            if self._clip_patch is not None:
+                self._clip_patch.uninstall()
             if self._beat is not None:
                 self._beat.stop()
             if self._digester is not None:
@@ -318,12 +320,13 @@ class RankCollector:
     # ------------------------------------------------------------------ hooks
 
     def _on_forward_pre(self, module, args) -> None:
+        t0 = time.perf_counter()
         try:
             st = self.state
             if self._pending is not None:
                 self._emit_pending()
             if self._optimizer is None and self._digester is not None:
-                self._digester.join()  # rc.step() loops: the optimizer runs after backward
+                self._join_digest()  # rc.step() loops: the optimizer runs after backward
             if st.first_forward_perf is None:
                 st.first_forward_perf = time.perf_counter()
             if not self._tokens_reported:
@@ -331,6 +334,7 @@ class RankCollector:
             st.phase = "forward"
         except Exception as exc:
             log.debug("forward pre-hook failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
 
     def _on_forward_post(self, module, args, output) -> None:
         # From here until backward ends the rank is in backward (the loss
@@ -339,20 +343,31 @@ class RankCollector:
         self.state.phase = "backward"
 
     def _on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
         try:
             self.state.phase = "optimizer"
             if self._digester is not None:
-                self._digester.join()  # the step is about to change the parameters
+                self._join_digest()  # the step is about to change the parameters
             self._fallback_grad_stats()
         except Exception as exc:
             log.debug("optimizer pre-hook failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
 
     def _on_optimizer_post(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
         try:
             self._boundary()
         except Exception as exc:
             log.debug("optimizer post-hook failed: %s", exc)
-        self._control_boundary()
+        self._control_boundary(t0)
+
+    def _join_digest(self) -> None:
+        """Join the digest in flight; its time is the digest's, not the hook's."""
+        t0 = time.perf_counter()
+        self._digester.join()
+        spent = time.perf_counter() - t0
+        self._self_time.digest_s += spent
+        self._self_time.hooks_s -= spent
 
     # ------------------------------------------------------- control channel
 
@@ -371,11 +386,17 @@ class RankCollector:
                 self.control, job=self.job, rank=self.identity.rank, host=self.identity.host
             )
 
-    def _control_boundary(self) -> None:
+    def _control_boundary(self, t0: float) -> None:
         """May raise ``RankEvicted``: the one exception the collector raises into training,
-        on purpose (evict policy ``raise``); nothing else escapes ``at_step_boundary``."""
-        if self.control is not None:
-            self.control.at_step_boundary(self.state.step)
+        on purpose (evict policy ``raise``); nothing else escapes ``at_step_boundary``.
+        Closes the step's self-timing that began at ``t0``."""
+        spent = self._self_time
+        spent.steps += 1
+        try:
+            if self.control is not None:
+                self.control.at_step_boundary(self.state.step)
+        finally:
+            spent.hooks_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------ the record
 
@@ -387,16 +408,16 @@ class RankCollector:
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return
-        # float64 per tensor: a bit-flipped huge element must not overflow to inf
-        norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads]
-        total, _ = tensor_norm_stats(torch.stack(norms))
-        st.local_sq.append(total)
-        if isinstance(total, float) and not math.isfinite(total):
-            st.nonfinite.append(sum(int((~torch.isfinite(g)).sum()) for g in grads))
-        elif not isinstance(total, float):
-            st.nonfinite.append(sum((~torch.isfinite(g)).sum() for g in grads))
+        t0 = time.perf_counter()
+        if st.clip_norm is not None:  # the loop clipped: its norm is this gradient's
+            total, nonfinite = clip_norm_stats(st.clip_norm, grads)
         else:
-            st.nonfinite.append(0)
+            total, nonfinite = grads_norm_stats(grads)
+        st.local_sq.append(total)
+        st.nonfinite.append(nonfinite)
+        spent = time.perf_counter() - t0
+        self._self_time.grad_norm_s += spent
+        self._self_time.hooks_s -= spent
 
     def _boundary(self) -> None:
         st = self.state
@@ -409,7 +430,11 @@ class RankCollector:
         every = self.config.digest_every_steps
         digest = None
         if every and st.step % every == 0 and self._digester is not None:
+            t0 = time.perf_counter()
             digest = self._digester.start()
+            spent = time.perf_counter() - t0
+            self._self_time.digest_s += spent
+            self._self_time.hooks_s -= spent
         lr = None
         if self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")
@@ -423,7 +448,8 @@ class RankCollector:
             "comm_s": comm_s,
             "compute_s": max(0.0, step_s - data_s - comm_s),
             "local": st.local_sq,
-            "reduced": st.reduced_sq,
+            # with DDP buckets, a norm the loop's clipping took is the reduced one
+            "reduced": [st.clip_norm] if st.clip_norm is not None and st.buckets else st.reduced_sq,
             "nonfinite": st.nonfinite,
             "collectives": st.collectives,
             "loss": st.loss,
@@ -444,14 +470,7 @@ class RankCollector:
             self._sender.put(lambda: build_step_record(self._base, p))
 
 
-def _digest_in_background(cfg: CollectorConfig, params: list[torch.Tensor]) -> bool:
-    """The configured choice, or (None) background only for accelerator parameters."""
-    if cfg.digest_in_background is not None:
-        return cfg.digest_in_background
-    return any(p.device.type != "cpu" for p in params)
-
-
-def _count_tokens(st, args) -> None:
+def _count_tokens(st: StepState, args: tuple) -> None:
     """Add the element count of forward's first integer tensor argument (token ids).
 
     Work per step scales with tokens, so detectors can compare compute time per
@@ -463,4 +482,3 @@ def _count_tokens(st, args) -> None:
             if not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool:
                 st.tokens = (st.tokens or 0) + a.numel()
             return
-

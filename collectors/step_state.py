@@ -59,6 +59,8 @@ class StepState:
     nonfinite: list[Any] = field(default_factory=list)
     collectives: list[dict] = field(default_factory=list)
     loss: Any = None
+    clip_norm: Any = None  # this step's norm from the loop's clip_grad_norm_ (clip_patch.py)
+    clip_seen: bool = False  # the previous step clipped: skip the reduced-norm pass
     tokens: int | None = None  # token ids seen by forward this step (or reported)
     last_coll: LastCollective | None = None
     seq: dict[str, int] = field(default_factory=dict)  # per group, never reset
@@ -107,4 +109,6 @@ class StepState:
         self.nonfinite = []
         self.collectives = []
         self.loss = None
+        self.clip_seen = self.clip_norm is not None
+        self.clip_norm = None
         self.tokens = None

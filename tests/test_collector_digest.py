@@ -90,12 +90,25 @@ def test_worker_rereads_when_parameters_change_while_it_reads(monkeypatch):
     monkeypatch.setattr(DigestPlan, "sums", sums_then_mutate)
     try:
         job = worker.start()
+        assert job.wait(5.0)  # the worker's read, not one taken over by join()
         worker.join()
-        assert len(calls) == 2
+        assert len(calls) == 2 and worker.stolen == 0
         monkeypatch.setattr(DigestPlan, "sums", real)
         assert job() == digest_hex(digest_sums(params))  # the clamped state, not a torn one
     finally:
         worker.close()
+
+
+def test_join_takes_over_a_job_the_worker_has_not_started():
+    params = _params(torch.float32)
+    worker = DigestWorker(params)
+    worker._jobs.put(None)  # the worker thread ends: as if it were never scheduled
+    worker._thread.join(5.0)
+    job = worker.start()
+    worker.join()  # must not wait 5 s for a worker that never comes
+    assert worker.stolen == 1 and worker.waits == 0
+    assert job() == digest_hex(digest_sums(params))
+    worker.close()
 
 
 def test_job_without_result_raises_for_the_sender_instead_of_a_wrong_digest(monkeypatch):
