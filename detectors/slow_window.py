@@ -286,14 +286,19 @@ class SlowWindow:
             sel = np.flatnonzero(steps == w)
             if w <= 1 or sel.size == 0:
                 continue
-            r = ranks[sel]
-            cols = (self.pos[r][:, None] - 1 - np.arange(int(w))[None, :]) % self.size
-            ok = self.ok[cols, r[:, None]] > 0  # newest first
-            z = np.where(ok, self.zr[cols, r[:, None]], 0.0)
+            rc, cols, ok = self._last(ranks[sel], int(w))
+            z = np.where(ok, self.zr[cols, rc], 0.0)
             drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
             gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
             out[sel] = np.argmax(gain, axis=1) + 1
         return out
+
+    def _last(self, r: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For ranks ``r``: ``r`` as a column, the ring columns of their last ``w``
+        readings (newest first) and which of those hold a reading."""
+        rc = r[:, None]
+        cols = (self.pos[rc] - 1 - np.arange(w)[None, :]) % self.size
+        return rc, cols, self.ok[cols, rc] > 0
 
     def means(self, ranks: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean log ratio, mean excess seconds) over each rank's last ``steps`` readings."""
@@ -304,12 +309,10 @@ class SlowWindow:
             sel = np.flatnonzero(steps == w)
             if w <= 0 or sel.size == 0:
                 continue
-            r = ranks[sel]
-            cols = (self.pos[r][:, None] - 1 - np.arange(int(w))[None, :]) % self.size
-            ok = self.ok[cols, r[:, None]] > 0
+            rc, cols, ok = self._last(ranks[sel], int(w))
             k = np.maximum(ok.sum(axis=1), 1)
-            lr[sel] = np.where(ok, self.lr[cols, r[:, None]], 0.0).sum(axis=1) / k
-            ex[sel] = np.where(ok, self.ex[cols, r[:, None]], 0.0).sum(axis=1) / k
+            lr[sel] = np.where(ok, self.lr[cols, rc], 0.0).sum(axis=1) / k
+            ex[sel] = np.where(ok, self.ex[cols, rc], 0.0).sum(axis=1) / k
         return lr, ex
 
     def state_dict(self) -> dict:

@@ -321,20 +321,32 @@ def test_window_state_roundtrip_continues_identically():
     assert any(o.signals for o in a)
 
 
+def _token_frames(rng, lay, steps, draw, base_s, per_token_s, noise):
+    """Steps of 8 ranks whose compute is ``base_s + per_token_s * tokens`` (tokens from
+    ``draw(rng)``) times log-normal noise; everyone else waits for the slowest."""
+    frames = []
+    for step in range(steps):
+        tok = draw(rng)
+        compute = (base_s + per_token_s * tok) * np.exp(noise * rng.standard_normal(8))
+        comm = compute.max() - compute + 0.01
+        m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(8, 5e-4),
+             "step_s": compute + comm + 5e-4, "tokens": tok}
+        frames.append(make_frame(lay, step, m))
+    return frames
+
+
 def test_short_batches_with_fixed_overhead_are_not_slowness():
     """compute = overhead + per-token cost: a rank that keeps drawing short batches is slow
     per token but not slow; the affine token model expects that, plain per-token would not."""
     rng = np.random.default_rng(17)
     lay = layout(8)
-    frames = []
-    for step in range(120):
+
+    def draw(rng):
         tok = rng.integers(150, 301, 8).astype(float)
         tok[4] = rng.integers(80, 151)  # rank 4 always draws short batches
-        compute = (0.06 + 0.0003 * tok) * np.exp(0.05 * rng.standard_normal(8))
-        comm = compute.max() - compute + 0.01
-        m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(8, 5e-4),
-             "step_s": compute + comm + 5e-4, "tokens": tok}
-        frames.append(make_frame(lay, step, m))
+        return tok
+
+    frames = _token_frames(rng, lay, 120, draw, 0.06, 0.0003, 0.05)
     outs, state = run(S, frames)
     assert not blamed(outs)
     per_token = np.array([f.m["compute_s"] / f.m["tokens"] for f in frames])
@@ -418,15 +430,13 @@ def test_a_rank_with_long_batches_in_a_quiet_job_is_not_a_straggler():
     sigmas above its peers every step, and exactly what its batch predicts."""
     rng = np.random.default_rng(29)
     lay = layout(8)
-    frames = []
-    for step in range(100):
+
+    def draw(rng):
         tok = rng.integers(150, 201, 8).astype(float)
         tok[2] = rng.integers(340, 401)
-        compute = (0.005 + 0.001 * tok) * np.exp(0.03 * rng.standard_normal(8))
-        comm = compute.max() - compute + 0.01
-        m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(8, 5e-4),
-             "step_s": compute + comm + 5e-4, "tokens": tok}
-        frames.append(make_frame(lay, step, m))
+        return tok
+
+    frames = _token_frames(rng, lay, 100, draw, 0.005, 0.001, 0.03)
     outs, _ = run(S, frames)
     assert max(o.scores["compute_s"][2] for o in outs[10:]) > 10  # raw: far out
     assert not blamed(outs)
