@@ -62,13 +62,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from overhead_workloads import WORKLOADS, Workload  # noqa: E402
-
-from collectors import CollectorConfig, RankCollector  # noqa: E402
-from collectors.ddp_hook import HookContext, make_ddp_hook  # noqa: E402
-from collectors.digest import DigestPlan, digest_hex  # noqa: E402
-from collectors.grad_stats import tensor_norm_stats  # noqa: E402
-from collectors.step_record import build_step_record  # noqa: E402
-from collectors.step_state import StepState  # noqa: E402
+from rankscope.collectors import CollectorConfig, RankCollector  # noqa: E402
+from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook  # noqa: E402
+from rankscope.collectors.rank.digest import DigestPlan, digest_hex  # noqa: E402
+from rankscope.collectors.rank.grad_stats import tensor_norm_stats  # noqa: E402
+from rankscope.collectors.rank.step_record import build_step_record  # noqa: E402
+from rankscope.collectors.rank.step_state import StepState  # noqa: E402
 
 WORLD = 2
 STALL_STEPS = 300
@@ -76,7 +75,7 @@ WARMUP_ROUNDS = 2
 ARMS = ("plain", "hook", "no-digest", "collector")
 # the LM's steps are ~20x longer: only the two arms the verdict needs, more rounds
 ARMS_OF = {"mlp": ARMS, "lm": ("plain", "collector")}
-# the collector's self-timed parts (collectors/self_time.py), per step
+# the collector's self-timed parts (collectors/rank/self_time.py), per step
 SELF_PARTS = ("overhead_s", "hooks_s", "comm_hook_s", "digest_s", "grad_norm_s", "launch_s")
 
 

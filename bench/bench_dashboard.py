@@ -4,7 +4,7 @@ The store is filled the way the engine fills it, but without running 20
 million rank-steps through the detectors first (that is bench_engine's job):
 the schema comes from ``pipeline.store.Store``, findings go in through
 ``Store.upsert_findings`` as ``Finding`` objects, and the scores table gets
-what ``pipeline/scores.py`` would keep for this job: 5 metrics, step buckets
+what ``pipeline/engine/scores.py`` would keep for this job: 5 metrics, step buckets
 of ceil(4096 x 5 / 1024) = 20 steps, i.e. 250 buckets x 4,096 ranks x 5
 metrics = 5.1 million rows, with a few slow ranks and replicas in them.
 
@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.findings import Finding  # noqa: E402
-from pipeline.store import Store  # noqa: E402
+from rankscope.pipeline.engine.findings import Finding  # noqa: E402
+from rankscope.pipeline.store import Store  # noqa: E402
 
 JOB = "llm-4k"
 WORLD = 4096

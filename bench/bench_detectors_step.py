@@ -15,9 +15,8 @@ import argparse
 import time
 
 import numpy as np
-
-from detectors.registry import DETECTORS, default_configs
-from detectors.synth import layout, make_frame
+from rankscope.detectors.registry import DETECTORS, default_configs
+from support.synth import layout, make_frame
 
 
 def _frame(lay, step: int, rng, faults: bool, collectives: bool):

@@ -87,7 +87,7 @@ def _peak_rss_mb() -> float:
 
 
 def child_assembly(steps: int) -> dict:
-    from pipeline.engine import Engine
+    from rankscope.pipeline.engine.engine import Engine
 
     rng = np.random.default_rng(0)
     engine = Engine()
@@ -118,7 +118,7 @@ def write_trace(path: Path, steps: int) -> None:
 
 
 def child_parquet(steps: int, trace: str) -> dict:
-    from pipeline.replay import replay_trace
+    from rankscope.pipeline.offline.replay import replay_trace
 
     t = time.perf_counter()
     res = replay_trace(trace)

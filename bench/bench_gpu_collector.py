@@ -1,7 +1,7 @@
 """CPU cost of the GPU collector at 1 s sampling: % of one core, per wall second.
 
 The budget (issue 7) is at most 1% of one core on an 8-GPU host. The scripted
-NVML (pipeline/scripted_nvml.py, the tests' fake) stands in for the
+NVML (pipeline/simulate/scripted_nvml.py, the tests' fake) stands in for the
 driver, so this measures rankscope's own work: the Python side of every NVML call, building and
 queueing the records, the sender writing them to a file sink, and the XID
 event waits between samples. Where a real NVIDIA driver answers, the same
@@ -21,9 +21,9 @@ import sys
 import tempfile
 import time
 
-from collectors.gpu_collector import GpuCollector, GpuCollectorConfig
-from collectors.nvml_backend import NvmlBackend, NvmlUnavailable
-from pipeline.scripted_nvml import ScriptedGpu, ScriptedNvml
+from rankscope.collectors.gpu.collector import GpuCollector, GpuCollectorConfig
+from rankscope.collectors.gpu.nvml import NvmlBackend, NvmlUnavailable
+from rankscope.pipeline.simulate.scripted_nvml import ScriptedGpu, ScriptedNvml
 
 
 def cpu_share(seconds: float, make) -> tuple[float, int, int]:

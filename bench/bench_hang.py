@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from detectors.hang import HangMonitor
+from rankscope.detectors.hang.monitor import HangMonitor
 
 
 def beats(world: int, step: int, t: float, culprit: int | None, tp: int = 8):

@@ -4,7 +4,7 @@ Through the real broker (started with ``scripts/kafka up`` when none runs):
 a publisher process sends a synthetic job (``--world`` ranks x ``--steps``
 steps of ``step`` records, one rank a straggler from the middle on) to the
 telemetry topic, ``--batch`` records a message, while one ``serve`` loop
-(``pipeline.service.Service``, in this process) consumes, validates,
+(``rankscope.pipeline.serve.loop.Service``, in this process) consumes, validates,
 assembles, detects and stores into DuckDB; then again with the topic filled
 first and ``serve`` draining it alone (on two cores the live publisher takes
 one of them). Printed: publish rate, records per second
@@ -55,7 +55,7 @@ def make_step(world: int, step: int, rng: random.Random, *, job: str, slow_from:
 
 def publisher(bus_url: str, job: str, world: int, steps: int, batch: int, seed: int) -> None:
     """Child process: generate and send the job's records as fast as the broker takes them."""
-    from pipeline.bus_kafka import KafkaBus, encode_records
+    from rankscope.pipeline.bus.kafka import KafkaBus, encode_records
 
     bus = KafkaBus(bus_url)
     rng = random.Random(seed)
@@ -77,8 +77,8 @@ def publisher(bus_url: str, job: str, world: int, steps: int, batch: int, seed: 
 
 def kafka_run(bootstrap: str, args, db: Path, *, backlog: bool = False) -> dict:
     """``backlog``: the publisher finishes first, then ``serve`` drains the topic alone."""
-    from pipeline.bus_kafka import KafkaBus
-    from pipeline.service import ServeConfig, Service
+    from rankscope.pipeline.bus.kafka import KafkaBus
+    from rankscope.pipeline.serve.loop import ServeConfig, Service
 
     prefix = f"bench{int(time.time() * 1000)}"
     url = f"kafka://{bootstrap}?topic_prefix={prefix}"
@@ -114,11 +114,11 @@ def embedded_run(args, db: Path) -> dict:
     """The same records and the same validate -> columns -> engine -> store path as
     ``serve`` (less the JSON decode), over an in-process queue of record batches;
     findings stored every ``store_interval_s`` like ``serve``, scores at the end."""
-    from pipeline.bus_decode import StepBatch, uniform_columns
-    from pipeline.records import validate_record
-    from pipeline.serve_config import ServeConfig
-    from pipeline.service import default_engine_factory
-    from pipeline.store import Store
+    from rankscope.collectors.schema.records import validate_record
+    from rankscope.pipeline.bus.decode import StepBatch, uniform_columns
+    from rankscope.pipeline.serve.config import ServeConfig
+    from rankscope.pipeline.serve.loop import default_engine_factory
+    from rankscope.pipeline.store import Store
 
     job = "bench-embedded"
     rng = random.Random(1)
@@ -190,7 +190,7 @@ def main() -> int:
             k = kafka_run(bootstrap, args, Path(tmp) / "kafka.duckdb")
             kb = kafka_run(bootstrap, args, Path(tmp) / "backlog.duckdb", backlog=True)
             e = embedded_run(args, Path(tmp) / "embedded.duckdb")
-            from pipeline.store import Store
+            from rankscope.pipeline.store import Store
 
             with Store(Path(tmp) / "kafka.duckdb", read_only=True) as st:
                 stored = st.list_findings()

@@ -12,12 +12,11 @@ import time
 
 import duckdb
 import streamlit as st
-
-from dashboard import queries
-from dashboard.config import DashboardConfig
-from dashboard.db import StoreUnavailable, open_reader
-from dashboard.views_detail import show_finding, show_host, show_triage
-from dashboard.views_overview import show_findings, show_heatmap, show_jobs
+from rankscope.dashboard import queries
+from rankscope.dashboard.config import DashboardConfig
+from rankscope.dashboard.db import StoreUnavailable, open_reader
+from rankscope.dashboard.views_detail import show_finding, show_host, show_triage
+from rankscope.dashboard.views_overview import show_findings, show_heatmap, show_jobs
 
 VIEWS = {
     "Jobs": show_jobs,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import altair as alt
 import pandas as pd
-
-from pipeline.records import LABEL_KINDS
+from rankscope.collectors.schema.records import LABEL_KINDS
 
 __all__ = [
     "KIND_COLORS",

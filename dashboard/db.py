@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import duckdb
-
-from dashboard.config import DashboardConfig
-from pipeline.store import SCHEMA_VERSION
+from rankscope.dashboard.config import DashboardConfig
+from rankscope.pipeline.store import SCHEMA_VERSION
 
 __all__ = ["StoreUnavailable", "Reader", "open_reader", "write_with_retry", "is_lock_error"]
 

@@ -16,8 +16,7 @@ import time
 
 import orjson
 import pandas as pd
-
-from dashboard.queries_scores import (
+from rankscope.dashboard.queries_scores import (
     HeatmapBins,
     ScoreExtent,
     gpu_events,
@@ -28,7 +27,7 @@ from dashboard.queries_scores import (
     score_metrics,
     top_ranks,
 )
-from pipeline.store import TRIAGE_STATUSES
+from rankscope.pipeline.store import TRIAGE_CHOICES, write_triage
 
 __all__ = [
     "TRIAGE_CHOICES", "HeatmapBins", "ScoreExtent", "job_names", "jobs_overview",
@@ -38,8 +37,6 @@ __all__ = [
     "score_history", "host_gpu", "gpu_events",
 ]  # fmt: skip
 
-# "open" is the absence of a verdict (no triage row); the others are the store's statuses.
-TRIAGE_CHOICES = ("open", *TRIAGE_STATUSES)
 # Findings a person still has to act on are those not triaged away: the SQL
 # below says so as ``coalesce(t.status, 'open') IN ('open', 'confirmed')``.
 
@@ -298,20 +295,7 @@ def host_ranks(con, job: str, host: str) -> pd.DataFrame:
 def set_triage(con, finding_id: str, status: str, note: str = "", *,
                t: float | None = None) -> None:  # fmt: skip
     """Store a person's verdict on a finding (``open`` removes the verdict)."""
-    if status not in TRIAGE_CHOICES:
-        raise ValueError(f"triage status must be one of {TRIAGE_CHOICES}, got {status!r}")
-    if len(note) > 10_000:
-        raise ValueError("triage note is longer than 10,000 characters")
-    exists = con.execute("SELECT count(*) FROM findings WHERE finding_id = ?", [finding_id])
-    if not exists.fetchone()[0]:
-        raise ValueError(f"no finding {finding_id!r} in this store")
-    if status == "open":
-        con.execute("DELETE FROM triage WHERE finding_id = ?", [finding_id])
-        return
-    con.execute(
-        "INSERT OR REPLACE INTO triage (finding_id, status, note, t) VALUES (?, ?, ?, ?)",
-        [finding_id, status, note, time.time() if t is None else float(t)],
-    )
+    write_triage(con, finding_id, status, note, t=t)
 
 
 def triage_log(con, job: str) -> pd.DataFrame:

@@ -1,6 +1,6 @@
 """Questions about per-rank scores: the rank x step heatmap, a finding's score history, GPUs.
 
-The store keeps scores in step buckets (pipeline/scores.py: one row per
+The store keeps scores in step buckets (pipeline/engine/scores.py: one row per
 bucket, rank and metric, the score of largest magnitude in the bucket). A
 4,096-rank job is still far more cells than a browser should draw, so the
 heatmap is binned again here, in SQL, to at most ``max_ranks`` x

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 import streamlit as st
-
-from dashboard import charts, queries
-from dashboard.config import DashboardConfig
-from dashboard.db import StoreUnavailable, write_with_retry
+from rankscope.dashboard import charts, queries
+from rankscope.dashboard.config import DashboardConfig
+from rankscope.dashboard.db import StoreUnavailable, write_with_retry
 
 __all__ = ["show_finding", "show_host", "show_triage", "save_triage"]
 

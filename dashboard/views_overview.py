@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 
 import streamlit as st
-
-from dashboard import charts, queries
-from dashboard.config import DashboardConfig
+from rankscope.dashboard import charts, queries
+from rankscope.dashboard.config import DashboardConfig
 
 __all__ = ["show_jobs", "show_findings", "show_heatmap", "open_finding"]
 

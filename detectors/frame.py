@@ -1,6 +1,6 @@
 """The assembled step: what every detector receives.
 
-The engine (``pipeline/assemble.py``) turns the records of one (job, step)
+The engine (``pipeline/engine/assemble.py``) turns the records of one (job, step)
 into a ``StepFrame``: one row per rank that reported, columns as numpy arrays,
 so a detector works on whole steps at once instead of record by record. Rows
 are sorted by rank. Absent numeric readings are NaN; absent strings are None.

@@ -23,14 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from detectors.consensus import Z_CAP, group_min, peer_consensus, strict_majority
-from detectors.evidence import metric_evidence, num
-from detectors.frame import StepFrame
-from detectors.history import RankHistory
-from detectors.history_state import PartsState
-from detectors.peers import PeerCache
-from detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.evidence import metric_evidence, num
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.stats.consensus import Z_CAP, group_min, peer_consensus, strict_majority
+from rankscope.detectors.stats.history import RankHistory
+from rankscope.detectors.stats.history_state import PartsState
+from rankscope.detectors.stats.peers import PeerCache
 
 __all__ = ["MetricOutlierConfig", "MetricOutlierState", "detect"]
 

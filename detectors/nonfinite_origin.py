@@ -20,11 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from detectors.evidence import num
-from detectors.frame import StepFrame
-from detectors.persistence import usable_ranks
-from detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.evidence import num
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.stats.persistence import usable_ranks
 
 __all__ = ["NonfiniteConfig", "NonfiniteState", "detect"]
 

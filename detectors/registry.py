@@ -18,17 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from detectors import (
-    check_vote,
-    digest_vote,
-    gpu_health,
-    gpu_throttle,
-    metric_outlier,
-    network,
-    nonfinite_origin,
-    reduced_grad,
-    straggler,
-)
+from rankscope.detectors import metric_outlier, nonfinite_origin
+from rankscope.detectors.gpu import health as gpu_health
+from rankscope.detectors.gpu import throttle as gpu_throttle
+from rankscope.detectors.network import detector as network
+from rankscope.detectors.straggler import detector as straggler
+from rankscope.detectors.votes import check as check_vote
+from rankscope.detectors.votes import digest as digest_vote
+from rankscope.detectors.votes import reduced_grad
 
 __all__ = ["DetectorSpec", "DETECTORS", "default_configs", "spec_by_name"]
 

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.assemble import AssemblerConfig
-from pipeline.engine import Engine, EngineConfig
-from pipeline.findings import Finding
-from pipeline.simulate import SimConfig, run_simulation
-from pipeline.store import Store
-from pipeline.trace_io import write_jsonl
+from rankscope.pipeline.engine.assemble import AssemblerConfig
+from rankscope.pipeline.engine.engine import Engine, EngineConfig
+from rankscope.pipeline.engine.findings import Finding
+from rankscope.pipeline.simulate import SimConfig, run_simulation
+from rankscope.pipeline.store import Store
+from rankscope.pipeline.traces.files import write_jsonl
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "DEFAULT_FAULTS"]
 
@@ -108,15 +108,15 @@ def run_demo(cfg: DemoConfig, log=print) -> DemoResult:
             kept.extend(batch)
             new = engine.feed(batch) if batch else engine.tick()
             _announce(new, found, log)
-            _store(engine, store, new)
+            store.write_turn(findings=new, scores=engine.drain_scores())
             if not alive and not batch:
                 break
             time.sleep(cfg.poll_s)
         _announce(engine.flush(), found, log)
         findings = [f for f in engine.findings() if f.finding_id in found]
-        _store(engine, store, findings, final=True)
-        for job in engine.jobs:
-            store.record_job(engine.job_summary(job), source="embedded://demo")
+        store.write_turn(findings=findings, scores=engine.drain_scores(True),
+                         jobs=[engine.job_summary(j) for j in engine.jobs],
+                         source="embedded://demo")  # fmt: skip
     if "error" in outcome:
         raise outcome["error"]
     sim = outcome["sim"]
@@ -142,9 +142,3 @@ def _announce(new: list[Finding], seen: dict[str, Finding], log) -> None:
                 f"from step {f.first_step} (detected at step {f.detected_step}) -> {f.action}")
         seen[f.finding_id] = f
 
-
-def _store(engine: Engine, store: Store, findings: list[Finding], final: bool = False) -> None:
-    if findings:
-        store.upsert_findings(findings)
-    for cols in engine.drain_scores(final):
-        store.upsert_scores(cols)

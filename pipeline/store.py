@@ -12,7 +12,7 @@ Tables (schema version 1):
   by whoever delivers it (the control channel).
 - ``scores``: per-rank detector scores for the heatmap, long format (job,
   step, steps, rank, metric, score); ``step`` is the first step of a bucket
-  of ``steps`` steps (see ``pipeline/scores.py`` for why and how big).
+  of ``steps`` steps (see ``pipeline/engine/scores.py`` for why and how big).
 - ``triage``: a person's verdict on a finding (confirmed, false_alarm,
   resolved) with a note: the dashboard's only write.
 - ``bad_records``: malformed input (file:line or topic:offset and the reason).
@@ -37,13 +37,18 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
+from rankscope.pipeline.engine.findings import Finding
 
-from pipeline.findings import Finding
-
-__all__ = ["Store", "StoreError", "SCHEMA_VERSION", "DEFAULT_DB", "TRIAGE_STATUSES"]
+__all__ = [
+    "Store", "StoreError", "SCHEMA_VERSION", "DEFAULT_DB", "TRIAGE_STATUSES", "TRIAGE_CHOICES",
+    "write_triage",
+]
 
 DEFAULT_DB = "rankscope.duckdb"
 TRIAGE_STATUSES = ("confirmed", "false_alarm", "resolved")
+# "open" is the absence of a verdict (no triage row); the others are stored statuses.
+TRIAGE_CHOICES = ("open", *TRIAGE_STATUSES)
+TRIAGE_NOTE_MAX = 10_000
 
 # version -> statements; a new version appends, never edits an applied one.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -184,6 +189,22 @@ class Store:
         self.close()
 
     # -- writes ------------------------------------------------------------
+    def write_turn(self, *, findings: Iterable[Finding] = (), scores: Iterable[dict] = (),
+                   jobs: Iterable[dict] = (), source: str | None = None) -> None:
+        """What the engine produced since the last turn: the one engine-to-store write.
+
+        ``findings`` from ``Engine.feed`` / ``tick`` / ``flush``, ``scores`` from
+        ``Engine.drain_scores``, ``jobs`` from ``Engine.job_summary``; replay, the
+        demo and ``serve`` all write through here.
+        """
+        findings = list(findings)
+        if findings:
+            self.upsert_findings(findings)
+        for cols in scores:
+            self.upsert_scores(cols)
+        for summary in jobs:
+            self.record_job(summary, source=source)
+
     def upsert_findings(self, findings: Iterable[Finding]) -> int:
         """Insert or replace findings by id; record their evict/recover actions. Returns count."""
         rows, actions = [], []
@@ -263,15 +284,8 @@ class Store:
         return len(rows)
 
     def set_triage(self, finding_id: str, status: str, note: str = "", t: float | None = None):
-        """A person's verdict on a finding; ``status`` in TRIAGE_STATUSES."""
-        import time
-
-        if status not in TRIAGE_STATUSES:
-            raise ValueError(f"triage status must be one of {TRIAGE_STATUSES}, got {status!r}")
-        self._x(
-            "INSERT OR REPLACE INTO triage (finding_id, status, note, t) VALUES (?, ?, ?, ?)",
-            [finding_id, status, note, time.time() if t is None else t],
-        )
+        """A person's verdict on a finding (``write_triage``'s rules)."""
+        write_triage(self.con, finding_id, status, note, t=t)
 
     def mark_delivered(self, finding_id: str, action: str, t: float) -> None:
         """The control channel delivered ``action`` of a finding at ``t``."""
@@ -306,3 +320,29 @@ class Store:
         if table not in ("jobs", "findings", "actions", "scores", "triage", "bad_records"):
             raise ValueError(f"unknown table {table!r}")
         return int(self.con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0])  # noqa: S608
+
+
+def write_triage(con, finding_id: str, status: str, note: str = "", *,
+                 t: float | None = None) -> None:  # fmt: skip
+    """Store a person's verdict on a finding; ``open`` removes the verdict.
+
+    The one triage writer (the dashboard and ``Store.set_triage`` both call it):
+    the status must be one of TRIAGE_CHOICES, the note at most TRIAGE_NOTE_MAX
+    characters, and the finding must exist.
+    """
+    import time
+
+    if status not in TRIAGE_CHOICES:
+        raise ValueError(f"triage status must be one of {TRIAGE_CHOICES}, got {status!r}")
+    if len(note) > TRIAGE_NOTE_MAX:
+        raise ValueError(f"triage note is longer than {TRIAGE_NOTE_MAX:,} characters")
+    exists = con.execute("SELECT count(*) FROM findings WHERE finding_id = ?", [finding_id])
+    if not exists.fetchone()[0]:
+        raise ValueError(f"no finding {finding_id!r} in this store")
+    if status == "open":
+        con.execute("DELETE FROM triage WHERE finding_id = ?", [finding_id])
+        return
+    con.execute(
+        "INSERT OR REPLACE INTO triage (finding_id, status, note, t) VALUES (?, ?, ?, ?)",
+        [finding_id, status, note, time.time() if t is None else float(t)],
+    )

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.simulate import SimConfig, run_simulation  # noqa: E402
-from pipeline.simulate.model import ModelConfig  # noqa: E402
-from pipeline.trace_io import read_trace  # noqa: E402
+from rankscope.pipeline.simulate import SimConfig, run_simulation  # noqa: E402
+from rankscope.pipeline.simulate.model import ModelConfig  # noqa: E402
+from rankscope.pipeline.traces.files import read_trace  # noqa: E402
 
 RANKS, STEPS = 8, 150
 

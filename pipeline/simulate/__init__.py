@@ -5,10 +5,10 @@ trace with the rank collectors and writes ``labels.jsonl`` and ``meta.json``;
 ``rankscope simulate`` is its command line. See docs/simulate.md.
 """
 
-from pipeline.simulate.config import SimConfig
-from pipeline.simulate.harness import SimulationResult, run_simulation
-from pipeline.simulate.model import ModelConfig
-from pipeline.simulate.spec import (
+from rankscope.pipeline.simulate.config import SimConfig
+from rankscope.pipeline.simulate.harness import SimulationResult, run_simulation
+from rankscope.pipeline.simulate.model import ModelConfig
+from rankscope.pipeline.simulate.spec import (
     FaultSpec,
     SpecError,
     host_of,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.simulate.model import ModelConfig
-from pipeline.simulate.spec import FaultSpec, SpecError, parse_fault, parse_topology
+from rankscope.pipeline.simulate.model import ModelConfig
+from rankscope.pipeline.simulate.spec import FaultSpec, SpecError, parse_fault, parse_topology
 
 __all__ = ["SimConfig"]
 
@@ -78,7 +78,7 @@ class SimConfig:
         if self.sink is None and self.out_dir is None:
             raise SpecError("out_dir is required when no sink is given (default: file://OUT)")
         if self.sink is not None:
-            from collectors.sinks import SINKS
+            from rankscope.collectors.sinks.factory import SINKS
 
             scheme = self.sink.split("://", 1)[0].lower()
             if scheme not in SINKS:
@@ -91,7 +91,7 @@ class SimConfig:
             self.job = f"sim-{'-'.join(kinds)}-s{self.seed}"
 
     def _resolve(self, fault: str | FaultSpec) -> FaultSpec:
-        from pipeline.simulate.faults import fault_class
+        from rankscope.pipeline.simulate.faults import fault_class
 
         spec = parse_fault(fault) if isinstance(fault, str) else fault
         cls = fault_class(spec.kind)

@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.simulate.config import SimConfig
-from pipeline.simulate.faults import fault_class
-from pipeline.simulate.labels import build_labels, build_meta
-from pipeline.simulate.spec import host_of
-from pipeline.simulate.worker import EXIT_STOPPED, WorkerSpec, worker_main
+from rankscope.pipeline.simulate.config import SimConfig
+from rankscope.pipeline.simulate.faults import fault_class
+from rankscope.pipeline.simulate.labels import build_labels, build_meta
+from rankscope.pipeline.simulate.spec import host_of
+from rankscope.pipeline.simulate.worker import EXIT_STOPPED, WorkerSpec, worker_main
 
 __all__ = ["SimulationResult", "run_simulation"]
 
@@ -81,7 +81,7 @@ _PRELOAD = [
     "torch.distributed",
     "torch.nn.parallel",
     "torch._dynamo",
-    "collectors.rank_collector",
+    "rankscope.collectors.rank.collector",
     "pipeline.simulate.worker",
 ]
 
@@ -217,7 +217,7 @@ def run_simulation(
     cfg: SimConfig, on_record: Callable[[dict], None] | None = None
 ) -> SimulationResult:
     """Run one simulated job to its end; see the module docstring for how runs end."""
-    from pipeline.trace_io import write_labels, write_meta
+    from rankscope.pipeline.traces.files import write_labels, write_meta
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else None
     sink = cfg.sink or f"file://{out_dir}"

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pipeline.simulate.config import SimConfig
-from pipeline.simulate.faults import fault_class
-from pipeline.simulate.spec import host_of, rank_coords
+from rankscope.pipeline.simulate.config import SimConfig
+from rankscope.pipeline.simulate.faults import fault_class
+from rankscope.pipeline.simulate.spec import host_of, rank_coords
 
 __all__ = ["build_labels", "build_meta"]
 

@@ -71,7 +71,7 @@ def _parse_int(spec: str, key: str, value: str, minimum: int = 0) -> int:
 
 def parse_fault(text: str) -> FaultSpec:
     """Parse one ``--fault`` value; raises ``SpecError`` naming the problem."""
-    from pipeline.simulate.faults import fault_class, fault_kinds
+    from rankscope.pipeline.simulate.faults import fault_class, fault_kinds
 
     raw = text.strip()
     if not raw:

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rankscope.pipeline.simulate.device import DeviceClock
+from rankscope.pipeline.simulate.faults import FaultContext, fault_class
+from rankscope.pipeline.simulate.model import BatchSource, ModelConfig, TinyLM
+from rankscope.pipeline.simulate.spec import FaultSpec
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from pipeline.simulate.device import DeviceClock
-from pipeline.simulate.faults import FaultContext, fault_class
-from pipeline.simulate.model import BatchSource, ModelConfig, TinyLM
-from pipeline.simulate.spec import FaultSpec
 
 __all__ = ["WorkerSpec", "worker_main", "EXIT_STOPPED", "EXIT_PEER_FAILED", "EXIT_ERROR"]
 
@@ -174,7 +173,7 @@ def _looks_like_peer(exc: BaseException) -> bool:
 
 
 def _train(ws: WorkerSpec, events, records_q, collector: list) -> None:
-    from collectors import RankCollector
+    from rankscope.collectors import RankCollector
 
     dist.init_process_group(
         "gloo",
@@ -205,7 +204,7 @@ def _train(ws: WorkerSpec, events, records_q, collector: list) -> None:
     for f in faults:
         f.install(ctx)  # before attach: their optimizer hooks run before the collector's
     if records_q is not None:
-        from collectors.sink_embedded import register_channel
+        from rankscope.collectors.sinks.embedded import register_channel
 
         register_channel(ws.channel, records_q)
     rc = RankCollector.attach(

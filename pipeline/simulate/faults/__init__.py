@@ -5,7 +5,7 @@ One file per family (``slowdown``, ``corruption``, ``stop``); each kind is a
 package is imported on first lookup, so a new kind is one new file.
 """
 
-from pipeline.simulate.faults.base import (
+from rankscope.pipeline.simulate.faults.base import (
     Fault,
     FaultContext,
     fault_class,

@@ -19,6 +19,7 @@ is imported on first use, so a new kind is a new file here and nothing else.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import struct
 import threading
@@ -28,8 +29,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from pipeline.simulate.spec import FaultSpec
 
 __all__ = [
     "Fault",
@@ -86,7 +85,7 @@ class Fault:
     # in which case the label's ``until`` is null.
     persistent: ClassVar[bool] = False
 
-    def __init__(self, spec: FaultSpec):
+    def __init__(self, spec: Any):  # a simulate.spec.FaultSpec (not imported: no loop)
         self.spec = spec
 
     def install(self, ctx: FaultContext) -> None:
@@ -122,11 +121,10 @@ def _load_all() -> None:
     with _LOADED:
         if _loaded:
             return
-        import pipeline.simulate.faults as pkg
-
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            if not mod.name.startswith("_"):
-                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        # The sibling files of this one, found by path: no import of the package itself.
+        for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+            if not mod.name.startswith("_") and mod.name != "base":
+                importlib.import_module(f"{__package__}.{mod.name}")
         _loaded = True
 
 

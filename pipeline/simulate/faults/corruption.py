@@ -23,8 +23,13 @@ import math
 import random
 
 import torch
-
-from pipeline.simulate.faults.base import Fault, FaultContext, flip_bit, parse_bit, register_fault
+from rankscope.pipeline.simulate.faults.base import (
+    Fault,
+    FaultContext,
+    flip_bit,
+    parse_bit,
+    register_fault,
+)
 
 __all__ = ["SdcGrad", "SdcParam", "SdcReduce", "NonFinite"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from pipeline.simulate.faults.base import Fault, FaultContext, register_fault
+from rankscope.pipeline.simulate.faults.base import Fault, FaultContext, register_fault
 
 __all__ = ["GpuFault"]
 
@@ -95,7 +95,7 @@ class GpuFault(Fault):
         return float(self.xid) if self.mode == "xid" else 1.0
 
     def install(self, ctx: FaultContext) -> None:
-        from pipeline.scripted_nvml import ScriptedNvml
+        from rankscope.pipeline.simulate.scripted_nvml import ScriptedNvml
 
         self._index = _local_index(ctx.rank, ctx.world, ctx.host)
         self.nvml = ScriptedNvml(GPUS_PER_HOST)
@@ -110,7 +110,8 @@ class GpuFault(Fault):
         ctx.optimizer.register_step_post_hook(lambda opt, args, kwargs: self._on_step(ctx))
 
     def _start(self, ctx: FaultContext) -> None:
-        from collectors.gpu_collector import GpuCollector, GpuCollectorConfig
+        from rankscope.collectors.gpu.attach import attach_for_rank
+        from rankscope.collectors.gpu.collector import GpuCollectorConfig
 
         rc = ctx.extra.get("collector")
         if rc is None:  # the worker did not expose its collector: nothing to attach to
@@ -120,7 +121,7 @@ class GpuFault(Fault):
             counters_interval_s=self.interval_s,
             event_wait_s=min(0.1, self.interval_s),
         )
-        self.collector = GpuCollector.attach_for_rank(
+        self.collector = attach_for_rank(
             rc, device=self._index, config=cfg, nvml=self.nvml
         )
 

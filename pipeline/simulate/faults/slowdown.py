@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline.simulate.faults.base import Fault, FaultContext, register_fault
+from rankscope.pipeline.simulate.faults.base import Fault, FaultContext, register_fault
 
 __all__ = ["Straggler", "NetworkDelay"]
 

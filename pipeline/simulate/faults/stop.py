@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 
-from pipeline.simulate.faults.base import Fault, FaultContext, register_fault
+from rankscope.pipeline.simulate.faults.base import Fault, FaultContext, register_fault
 
 __all__ = ["Hang", "Crash"]
 

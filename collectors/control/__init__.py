@@ -1,0 +1,1 @@
+"""Evict/recover control messages, received and verified inside the training process."""

@@ -1,0 +1,481 @@
+"""The rank collector: per-step telemetry from an unchanged training loop.
+
+Three lines attach it::
+
+    from rankscope.collectors import RankCollector
+    rc = RankCollector.attach(model, optimizer, job="run-42", sink="file://traces/run-42")
+    # the loop stays as it is; rc.loss(loss) adds the loss, rc.close() at the end (also atexit)
+
+The step boundary is an optimizer step post-hook (or ``rc.step(loss)`` for
+loops without an optimizer to hook). Hooks registered on the optimizer BEFORE
+attach run before the collector's, so a fault injected there is already seen
+by that step's ``param_digest``.
+
+What runs on the training thread is bookkeeping of a few microseconds per
+hook, the DDP reduction going through a Python communication hook (the only
+place the local, pre-reduction gradient can be seen) with the local gradient
+norm taken there, and the parameter digest at the step boundary (inline for
+CPU parameters; queued to a worker thread for accelerator ones,
+``collectors/rank/digest_worker.py``). The reduced norm runs in the reduction's
+completion callback, or is taken from the loop's own ``clip_grad_norm_``
+(``collectors/rank/clip_patch.py``); conversions that could wait for a device,
+hashing and serialization happen on the sender thread. The collector times
+its own code as it runs (``rc.self_time``; docs/collectors.md has measured
+figures). No hook ever raises into training: a failure of the collector's
+own bookkeeping is logged at debug level and the step goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.beat import BeatThread
+from rankscope.collectors.rank.clip_patch import ClipPatch
+from rankscope.collectors.rank.config import CollectorConfig
+from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook
+from rankscope.collectors.rank.digest_worker import make_digester
+from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
+from rankscope.collectors.rank.grad_stats import clip_norm_stats, grads_norm_stats
+from rankscope.collectors.rank.self_time import SelfTime
+from rankscope.collectors.rank.step_record import build_step_record
+from rankscope.collectors.rank.step_state import StepState
+from rankscope.collectors.rank.topology import Identity, resolve_identity
+from rankscope.collectors.sinks.factory import make_sink
+from rankscope.collectors.sinks.sender import Sender, SenderStats
+
+__all__ = ["RankCollector"]
+
+log = logging.getLogger("rankscope.collectors")
+
+
+class RankCollector:
+    """One rank's collector: hooks in, records out through a never-blocking sender."""
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        identity: Identity,
+        sender: Sender,
+        config: CollectorConfig,
+        params: list[torch.Tensor],
+        control: Any = None,
+    ) -> None:
+        self.job = job
+        self.identity = identity
+        self.config = config
+        self.control = control  # evict/recover channel; wired by the control-plane code
+        self._sender = sender
+        self._params = params
+        self.state = StepState()
+        self._self_time = SelfTime()
+        self._handles: list[Any] = []
+        self._hook_ctx: HookContext | None = None
+        self._dist_patch: DistPatch | None = None
+        self._clip_patch: ClipPatch | None = None
+        self._beat: BeatThread | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._digester: Any = None  # digest_worker.DigestWorker or InlineDigest
+        self._pending: dict | None = None
+        self._tokens_reported = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        base = {  # the fields of every step record of this rank (schema.records.StepRecord)
+            "job": job,
+            "rank": identity.rank,
+            "world": identity.world,
+            "host": identity.host,
+        }
+        base.update(identity.coords)
+        self._base = base
+
+    # ------------------------------------------------------------------ attach
+
+    @classmethod
+    def attach(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        job: str,
+        sink: Any,
+        topology: Any = None,
+        host: str | None = None,
+        rank: int | None = None,
+        world: int | None = None,
+        comm_hook: Any = None,
+        comm_state: Any = None,
+        beat_interval_s: float | None = None,
+        queue_size: int | None = None,
+        control: Any = None,
+        config: CollectorConfig | None = None,
+    ) -> RankCollector:
+        """Attach to ``model`` (plain module or DDP) and ``optimizer``; start beating.
+
+        Raises ``ValueError`` with a clear message for what can be known to be
+        wrong now (a bad sink URL, a topology that does not fit the world, a
+        DDP model that already has a communication hook); after that nothing
+        the collector does raises into training.
+        """
+        if not job or not isinstance(job, str):
+            raise ValueError("RankCollector.attach: job must be a non-empty string")
+        cfg = config or CollectorConfig()
+        overrides = {
+            k: v
+            for k, v in (("beat_interval_s", beat_interval_s), ("queue_size", queue_size))
+            if v is not None
+        }
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        try:
+            ident = resolve_identity(rank=rank, world=world, host=host, topology=topology)
+        except ValueError as exc:
+            raise ValueError(f"RankCollector.attach: {exc}") from None
+        is_ddp = callable(getattr(model, "register_comm_hook", None))
+        if comm_hook is not None and not is_ddp:
+            raise ValueError("RankCollector.attach: comm_hook given but the model is not DDP")
+        try:
+            sink_obj = make_sink(sink)
+        except ValueError as exc:
+            raise ValueError(f"RankCollector.attach: bad sink {sink!r}: {exc}") from None
+        sender = Sender(
+            sink_obj,
+            queue_size=cfg.queue_size,
+            batch_max_records=cfg.batch_max_records,
+            flush_interval_s=cfg.flush_interval_s,
+            send_interval_s=cfg.send_interval_s,
+            name=f"rankscope-sender-{ident.rank}",
+        )
+        rc = cls(
+            job=job,
+            identity=ident,
+            sender=sender,
+            config=cfg,
+            params=list(model.parameters()),
+            control=control,
+        )
+        try:
+            rc._install(model, optimizer, is_ddp, comm_hook, comm_state)
+            rc._start_control()
+        except Exception:
+            rc.close()
+            raise
+        return rc
+
+    def _install(self, model, optimizer, is_ddp: bool, comm_hook, comm_state) -> None:
+        st = self.state
+        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre))
+        self._handles.append(model.register_forward_hook(self._on_forward_post))
+        if is_ddp:
+            ctx = HookContext(
+                st,
+                self.config.ddp_group_name,
+                comm_hook,
+                comm_state,
+                getattr(model, "process_group", None),
+            )
+            try:
+                model.register_comm_hook(None, make_ddp_hook(ctx))
+            except RuntimeError as exc:
+                raise ValueError(
+                    "RankCollector.attach: could not register the DDP communication hook "
+                    f"({exc}); DDP allows one hook: pass yours as comm_hook= instead"
+                ) from None
+            ctx.self_time = self._self_time
+            self._hook_ctx = ctx
+        if self.config.digest_every_steps:
+            self._digester = make_digester(
+                self._params,
+                background=self.config.digest_in_background,
+                name=f"rankscope-digest-{self.identity.rank}",
+            )
+        if optimizer is not None:
+            self._optimizer = optimizer
+            self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
+        groups = {id(g): name for name, g in self.identity.groups.items()}
+        self._dist_patch = DistPatch(st, lambda g: group_label(g, groups), threading.get_ident())
+        self._dist_patch.install()
+        self._clip_patch = ClipPatch(st, self._params, threading.get_ident())
+        self._clip_patch.install()
+        st.step_start_perf = time.perf_counter()
+        st.phase = "data"
+        self._beat = BeatThread(
+            state=st,
+            job=self.job,
+            rank=self.identity.rank,
+            host=self.identity.host,
+            interval_s=self.config.beat_interval_s,
+            emit=self._sender.put,
+        )
+        self._beat.start()
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------- public API
+
+    @property
+    def step_index(self) -> int:
+        """The optimizer step in progress (0 for the first one)."""
+        return self.state.step
+
+    @property
+    def self_time(self) -> SelfTime:
+        """A snapshot of what the collector's own code has cost the training thread
+        (cumulative seconds by part, ``collectors/rank/self_time.py``)."""
+        return self._self_time.copy()
+
+    @property
+    def stats(self) -> SenderStats:
+        """Sender counters: enqueued, sent, dropped (queue full / failed sends), errors."""
+        return self._sender.stats
+
+    def loss(self, value: Any) -> None:
+        """Report this rank's loss for the step in progress (or the one that just ended)."""
+        t0 = time.perf_counter()
+        try:
+            value = value.detach() if isinstance(value, torch.Tensor) else value
+            if self._pending is not None:
+                self._pending["loss"] = value
+                self._emit_pending()
+            else:
+                self.state.loss = value
+        except Exception as exc:
+            log.debug("loss() failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
+
+    def tokens(self, count: int) -> None:
+        """Report the tokens of the step in progress (overrides the count taken from
+        the integer inputs of ``forward``; e.g. when the model takes embeddings)."""
+        try:
+            self.state.tokens = int(count)
+            self._tokens_reported = True
+        except Exception as exc:
+            log.debug("tokens() failed: %s", exc)
+
+    def step(self, loss: Any = None) -> None:
+        """Mark a step boundary (loops without an optimizer hook); with an optimizer
+        attached it only reports the loss, the optimizer hook marks the boundary."""
+        if self._closed:
+            return
+        if loss is not None:
+            self.loss(loss)
+        if self._optimizer is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._fallback_grad_stats()
+            self._boundary()
+        except Exception as exc:
+            log.debug("step() failed: %s", exc)
+        self._control_boundary(t0)
+
+    def close(self) -> None:
+        """Detach, emit what is pending, drain the sender (bounded wait). Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            atexit.unregister(self.close)
+            self.state.phase = "idle"
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self._hook_ctx is not None:
+                self._hook_ctx.active = False
+            if self._dist_patch is not None:
+                self._dist_patch.uninstall()
+            if self._clip_patch is not None:
+                self._clip_patch.uninstall()
+            if self._beat is not None:
+                self._beat.stop()
+            if self._digester is not None:
+                self._digester.close()
+            if callable(getattr(self.control, "close", None)):
+                self.control.close()
+            self._emit_pending()
+        except Exception as exc:
+            log.debug("close() bookkeeping failed: %s", exc)
+        if not self._sender.close(self.config.close_timeout_s):
+            log.warning(
+                "rankscope collector: sink still stalled at close; %d records abandoned",
+                self._sender.pending(),
+            )
+
+    def __enter__(self) -> RankCollector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_forward_pre(self, module, args) -> None:
+        t0 = time.perf_counter()
+        try:
+            st = self.state
+            if self._pending is not None:
+                self._emit_pending()
+            if self._optimizer is None and self._digester is not None:
+                self._join_digest()  # rc.step() loops: the optimizer runs after backward
+            if st.first_forward_perf is None:
+                st.first_forward_perf = time.perf_counter()
+            if not self._tokens_reported:
+                _count_tokens(st, args)
+            st.phase = "forward"
+        except Exception as exc:
+            log.debug("forward pre-hook failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
+
+    def _on_forward_post(self, module, args, output) -> None:
+        # From here until backward ends the rank is in backward (the loss
+        # computation in between is counted with it): cheaper than a tensor
+        # hook on the output, and enough to tell forward from backward.
+        self.state.phase = "backward"
+
+    def _on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.state.phase = "optimizer"
+            if self._digester is not None:
+                self._join_digest()  # the step is about to change the parameters
+            self._fallback_grad_stats()
+        except Exception as exc:
+            log.debug("optimizer pre-hook failed: %s", exc)
+        self._self_time.hooks_s += time.perf_counter() - t0
+
+    def _on_optimizer_post(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._boundary()
+        except Exception as exc:
+            log.debug("optimizer post-hook failed: %s", exc)
+        self._control_boundary(t0)
+
+    def _join_digest(self) -> None:
+        """Join the digest in flight; its time is the digest's, not the hook's."""
+        t0 = time.perf_counter()
+        self._digester.join()
+        spent = time.perf_counter() - t0
+        self._self_time.digest_s += spent
+        self._self_time.hooks_s -= spent
+
+    # ------------------------------------------------------- control channel
+
+    def on_action(self, callback: Any, *, immediate: bool = False) -> None:
+        """Call ``callback(ControlAction)`` for every accepted evict/recover message of
+        this job (who acts and when: ``collectors/control/listener.py``)."""
+        if self.control is None:
+            raise ValueError("RankCollector.on_action: attach with control=... first")
+        self.control.on_action(callback, immediate=immediate)
+
+    def _start_control(self) -> None:
+        if self.control is not None:
+            from rankscope.collectors.control.listener import start_listener
+
+            self.control = start_listener(
+                self.control, job=self.job, rank=self.identity.rank, host=self.identity.host
+            )
+
+    def _control_boundary(self, t0: float) -> None:
+        """May raise ``RankEvicted``: the one exception the collector raises into training,
+        on purpose (evict policy ``raise``); nothing else escapes ``at_step_boundary``.
+        Closes the step's self-timing that began at ``t0``."""
+        spent = self._self_time
+        spent.steps += 1
+        try:
+            if self.control is not None:
+                self.control.at_step_boundary(self.state.step)
+        finally:
+            spent.hooks_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------ the record
+
+    def _fallback_grad_stats(self) -> None:
+        """Without DDP buckets this step, the local gradient is what ``.grad`` holds."""
+        st = self.state
+        if st.buckets or st.local_sq:
+            return
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        t0 = time.perf_counter()
+        if st.clip_norm is not None:  # the loop clipped: its norm is this gradient's
+            total, nonfinite = clip_norm_stats(st.clip_norm, grads)
+        else:
+            total, nonfinite = grads_norm_stats(grads)
+        st.local_sq.append(total)
+        st.nonfinite.append(nonfinite)
+        spent = time.perf_counter() - t0
+        self._self_time.grad_norm_s += spent
+        self._self_time.hooks_s -= spent
+
+    def _boundary(self) -> None:
+        st = self.state
+        now = time.perf_counter()
+        step_s = now - st.step_start_perf
+        data_s = (
+            0.0 if st.first_forward_perf is None else st.first_forward_perf - st.step_start_perf
+        )
+        comm_s = min(st.comm_s + st.backward_wait_s(), max(0.0, step_s - data_s))
+        every = self.config.digest_every_steps
+        digest = None
+        if every and st.step % every == 0 and self._digester is not None:
+            t0 = time.perf_counter()
+            digest = self._digester.start()
+            spent = time.perf_counter() - t0
+            self._self_time.digest_s += spent
+            self._self_time.hooks_s -= spent
+        lr = None
+        if self._optimizer is not None and self._optimizer.param_groups:
+            lr = self._optimizer.param_groups[0].get("lr")
+        if self._pending is not None:  # the previous step never got its loss
+            self._emit_pending()
+        self._pending = {
+            "step": st.step,
+            "t": time.time(),
+            "step_s": step_s,
+            "data_s": data_s,
+            "comm_s": comm_s,
+            "compute_s": max(0.0, step_s - data_s - comm_s),
+            "local": st.local_sq,
+            # with DDP buckets, a norm the loop's clipping took is the reduced one
+            "reduced": [st.clip_norm] if st.clip_norm is not None and st.buckets else st.reduced_sq,
+            "nonfinite": st.nonfinite,
+            "collectives": st.collectives,
+            "loss": st.loss,
+            "digest": digest,
+            "lr": lr,
+            "tokens": st.tokens,
+        }
+        self._tokens_reported = False
+        had_loss = st.loss is not None
+        st.reset_for_next_step(time.perf_counter())
+        st.phase = "data"
+        if had_loss:
+            self._emit_pending()
+
+    def _emit_pending(self) -> None:
+        p, self._pending = self._pending, None
+        if p is not None:
+            self._sender.put(lambda: build_step_record(self._base, p))
+
+
+def _count_tokens(st: StepState, args: tuple) -> None:
+    """Add the element count of forward's first integer tensor argument (token ids).
+
+    Work per step scales with tokens, so detectors can compare compute time per
+    token across ranks whose batches have different sequence lengths. Models fed
+    float tensors report nothing here (``rc.tokens(n)`` does it explicitly).
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool:
+                st.tokens = (st.tokens or 0) + a.numel()
+            return

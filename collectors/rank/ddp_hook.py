@@ -1,0 +1,202 @@
+"""The DDP communication hook the collector registers, wrapping the user's.
+
+DDP overlaps the gradient all-reduce with backward, so by the time
+``backward()`` returns every gradient is already the reduced one. The only
+place to see this rank's LOCAL gradient is the bucket handed to the
+communication hook, before it is reduced: that is where ``grad_norm`` and
+``nonfinite`` come from. The reduced bucket (what the hook's future yields)
+gives ``grad_norm_reduced``, computed on the completing comm thread, unless
+the loop clips gradients: then the clipping's norm is that value and the
+pass is skipped (``collectors/rank/clip_patch.py``).
+
+The local statistics are taken from the bucket as DDP hands it over, BEFORE
+the user's hook runs; a fault that corrupts a local gradient should do so
+earlier, in a gradient hook (``param.register_hook``), which runs before DDP
+copies the gradient into its bucket. A user hook that delays or corrupts
+the reduction (a slow link, a bad reduce) is seen in the timings and in
+``grad_norm_reduced``.
+
+Timing: the hook's own duration on the calling thread counts as ``comm_s``
+(launching, or a deliberate delay inside the user hook). After the last
+bucket is launched backward has nothing left to compute and DDP's
+finalization waits for the outstanding reductions; that wait, from the last
+launch returning to the last reduction completing, counts as ``comm_s`` too
+(``StepState.backward_wait_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from rankscope.collectors.rank.grad_stats import tensor_norm_stats
+from rankscope.collectors.rank.self_time import SelfTime
+from rankscope.collectors.rank.step_state import StepState
+
+__all__ = ["HookContext", "make_ddp_hook", "hook_context"]
+
+log = logging.getLogger("rankscope.collectors")
+
+# Set while the collector's DDP hook runs on this thread, so that the patched
+# torch.distributed functions know a call is the bucket's own reduction and
+# do not record it a second time.
+hook_context = threading.local()
+
+
+class HookContext:
+    """Settings the hook closure reads; swapped to pass-through at close."""
+
+    __slots__ = (
+        "state",
+        "group_name",
+        "user_hook",
+        "user_state",
+        "process_group",
+        "active",
+        "self_time",
+        "_pg",
+    )
+
+    def __init__(
+        self,
+        state: StepState,
+        group_name: str,
+        user_hook: Callable | None,
+        user_state: Any,
+        process_group: Any,
+    ) -> None:
+        self.state = state
+        self.group_name = group_name
+        self.user_hook = user_hook
+        self.user_state = user_state
+        self.process_group = process_group
+        self.active = True
+        self.self_time = SelfTime()  # the collector's, shared when attached
+        self._pg: tuple[Any, int] | None = None
+
+    def group_and_size(self) -> tuple[Any, int]:
+        """The reducing process group and its size, looked up once."""
+        if self._pg is None:
+            import torch.distributed as dist
+
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            self._pg = (group, group.size())
+        return self._pg
+
+
+_NUMPY_SCALED = (torch.float32, torch.float64)
+
+
+def _launch_average(ctx: HookContext, buf: torch.Tensor) -> tuple[torch.futures.Future, float]:
+    """DDP's default reduction (the bucket times 1/group size, summed over the
+    group) launched on the process group directly: no pass through the
+    ``torch.distributed`` Python wrappers (nor the collector's own patch of
+    them), and the raw future back, so that the collector's completion
+    callback is the only Python hop on the comm thread.
+
+    The bucket is scaled BEFORE the reduction with the very reciprocal plain
+    DDP multiplies by while it copies gradients into its buckets, so the
+    result is bit for bit plain DDP's. That matters beyond reproducibility:
+    ranks without the collector (attached on some ranks only) or with
+    ``default_hooks.allreduce_hook`` scale first too, and a rank that scaled
+    after the sum would silently corrupt every rank's gradient. The price is
+    one pass over the bucket that plain DDP fuses into its copy
+    (docs/collectors.md), made in numpy for CPU float buckets (same float32
+    or float64 products, less dispatch). Also returns the seconds the launch
+    itself took.
+    """
+    group, size = ctx.group_and_size()
+    if size > 1:
+        if buf.device.type == "cpu" and buf.dtype in _NUMPY_SCALED:
+            flat = buf.numpy()
+            np.multiply(flat, 1.0 / size, out=flat)
+        else:
+            buf.mul_(1.0 / size)
+    t0 = time.perf_counter()
+    fut = group.allreduce([buf]).get_future()
+    return fut, time.perf_counter() - t0
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    """The reduced bucket out of what a reduction's future yields ([tensor] or tensor)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def make_ddp_hook(ctx: HookContext) -> Callable:
+    """A DDP comm hook (``hook(state, bucket)``) that measures, then reduces via the user's hook."""
+
+    def rankscope_comm_hook(state, bucket):  # no annotations: DDP inspects them
+        if not ctx.active:
+            return _reduce(bucket)
+        t_start = time.perf_counter()
+        st = ctx.state
+        entry = None
+        norm_s = launch_s = 0.0
+        buf = bucket.buffer()
+        try:
+            t_norm = time.perf_counter()
+            norm, nonfinite = tensor_norm_stats(buf)
+            norm_s = time.perf_counter() - t_norm
+            st.local_sq.append(norm)
+            st.nonfinite.append(nonfinite)
+            entry = st.enter_collective(
+                "allreduce", ctx.group_name, buf.numel() * buf.element_size()
+            )
+            st.buckets += 1
+        except Exception as exc:
+            log.debug("comm hook bookkeeping failed: %s", exc)
+        t_enter = time.perf_counter()
+        try:
+            if ctx.user_hook is None:
+                fut, launch_s = _launch_average(ctx, buf)
+            else:
+                hook_context.active = True
+                fut = ctx.user_hook(ctx.user_state, bucket)
+        finally:
+            hook_context.active = False
+            t_exit = time.perf_counter()
+            if ctx.user_hook is not None:
+                launch_s = t_exit - t_enter  # the user's reduction is not the collector's cost
+            st.comm_s += t_exit - t_enter
+            st.last_launch_exit_perf = t_exit
+            last = st.buckets_prev_step and st.buckets >= st.buckets_prev_step
+            if last and st.buckets_done < st.buckets:
+                st.phase = "collective"  # last bucket launched: backward now waits
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            reduced = _first_tensor(f.value())
+            if entry is None:
+                return reduced
+            try:
+                now = time.perf_counter()
+                last_done = st.last_done_perf
+                st.last_done_perf = now if last_done is None or now > last_done else last_done
+                st.finish_collective(entry, now - t_enter)
+                st.buckets_done += 1
+                if st.phase == "collective" and st.buckets_done >= st.buckets:
+                    st.phase = "optimizer"  # backward is released: clip, step...
+                if not st.clip_seen:  # else the loop's clip_grad_norm_ gives it
+                    st.reduced_sq.append(tensor_norm_stats(reduced)[0])
+            except Exception as exc:
+                log.debug("comm hook completion bookkeeping failed: %s", exc)
+            return reduced
+
+        if entry is not None or ctx.user_hook is None:
+            fut = fut.then(done)
+        spent = ctx.self_time
+        spent.grad_norm_s += norm_s
+        spent.launch_s += launch_s
+        spent.comm_hook_s += time.perf_counter() - t_start - norm_s - launch_s
+        return fut
+
+    def _reduce(bucket) -> torch.futures.Future:
+        if ctx.user_hook is not None:
+            return ctx.user_hook(ctx.user_state, bucket)
+        return _launch_average(ctx, bucket.buffer())[0].then(lambda f: _first_tensor(f.value()))
+
+    return rankscope_comm_hook

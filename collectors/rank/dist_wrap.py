@@ -1,0 +1,172 @@
+"""Timing the ``torch.distributed`` collectives a training loop calls itself.
+
+At attach the collector replaces the collective functions in the
+``torch.distributed`` namespace with thin wrappers and restores them at close
+(only where nobody replaced them again since). A wrapper records op, group,
+per-group sequence number, bytes and seconds inside the call, counts the
+seconds as ``comm_s`` when the call is synchronous on the training thread,
+and sets the beat phase to ``collective`` while inside. Calls made by the
+collector's own DDP hook pass straight through. Any failure of the
+bookkeeping is swallowed; the collective's own result or exception is what
+the caller gets.
+
+Asynchronous calls (``async_op=True``) are recorded with the launch time only:
+the wait happens later in ``Work.wait()``, which is not wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.ddp_hook import hook_context
+from rankscope.collectors.rank.step_state import StepState
+
+__all__ = ["DistPatch", "OP_NAMES", "group_label"]
+
+log = logging.getLogger("rankscope.collectors")
+
+OP_NAMES = {
+    "all_reduce": "allreduce",
+    "all_gather": "allgather",
+    "all_gather_into_tensor": "allgather",
+    "all_gather_object": "allgather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "reduce": "reduce",
+    "barrier": "barrier",
+    "all_to_all": "alltoall",
+    "all_to_all_single": "alltoall",
+    "gather": "gather",
+    "gather_object": "gather",
+    "scatter": "scatter",
+    "scatter_object_list": "scatter",
+}
+
+
+def _nbytes(obj: Any) -> int | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return sum(t.numel() * t.element_size() for t in obj)
+    return None
+
+
+def group_label(group: Any, known: dict[int, str]) -> str:
+    """The name a collective's process group is recorded under: the topology's name
+    for it when known, ``world`` for the default group, else its own name."""
+    if group is None:
+        return "world"
+    name = known.get(id(group))
+    if name:
+        return name
+    try:
+        import torch.distributed as dist
+
+        if group is dist.group.WORLD:
+            return "world"
+    except Exception:
+        pass
+    return str(getattr(group, "group_name", None) or f"pg{id(group):x}")
+
+
+class DistPatch:
+    """Installs and removes the wrappers for one collector."""
+
+    def __init__(
+        self,
+        state: StepState,
+        group_name: Callable[[Any], str],
+        training_thread: int,
+    ) -> None:
+        self._state = state
+        self._group_name = group_name
+        self._training_thread = training_thread
+        self._originals: dict[str, Callable] = {}
+        self._wrappers: dict[str, Callable] = {}
+        self._busy = threading.local()
+        self._active = False
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        self._active = True
+        for name, op in OP_NAMES.items():
+            orig = getattr(dist, name, None)
+            if orig is None or not callable(orig):
+                continue
+            wrapper = self._wrap(name, op, orig)
+            self._originals[name] = orig
+            self._wrappers[name] = wrapper
+            setattr(dist, name, wrapper)
+
+    def uninstall(self) -> None:
+        """Restore the originals; a wrapper someone else wrapped again stays in
+        place but passes straight through from now on."""
+        import torch.distributed as dist
+
+        self._active = False
+        for name, orig in self._originals.items():
+            if getattr(dist, name, None) is self._wrappers[name]:
+                setattr(dist, name, orig)
+        self._originals.clear()
+        self._wrappers.clear()
+
+    def _wrap(self, name: str, op: str, orig: Callable) -> Callable:
+        try:
+            params = list(inspect.signature(orig).parameters)
+        except (TypeError, ValueError):
+            params = []
+        group_pos = params.index("group") if "group" in params else None
+        async_pos = params.index("async_op") if "async_op" in params else None
+        state, busy = self._state, self._busy
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            if (
+                not self._active
+                or getattr(hook_context, "active", False)
+                or getattr(busy, "on", False)
+            ):
+                return orig(*args, **kwargs)
+            entry = prev_phase = None
+            on_training = threading.get_ident() == self._training_thread
+            try:
+                group = kwargs.get("group")
+                if group is None and group_pos is not None and len(args) > group_pos:
+                    group = args[group_pos]
+                is_async = kwargs.get("async_op")
+                if is_async is None and async_pos is not None and len(args) > async_pos:
+                    is_async = args[async_pos]
+                nbytes = _nbytes(args[0]) if args else _nbytes(kwargs.get("tensor"))
+                entry = state.enter_collective(op, self._group_name(group), nbytes)
+                if on_training and not is_async:
+                    prev_phase, state.phase = state.phase, "collective"
+            except Exception as exc:
+                log.debug("collective bookkeeping failed for %s: %s", name, exc)
+            busy.on = True
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                busy.on = False
+                try:
+                    dt = time.perf_counter() - t0
+                    if entry is not None:
+                        state.finish_collective(entry, dt)
+                        if prev_phase is not None:
+                            state.comm_s += dt
+                            state.phase = prev_phase
+                except Exception as exc:
+                    log.debug("collective bookkeeping failed for %s: %s", name, exc)
+
+        wrapper.__rankscope_wrapped__ = True
+        return wrapper

@@ -1,0 +1,1 @@
+"""GPU-health detectors over the NVML readings joined onto a step."""

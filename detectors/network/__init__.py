@@ -1,0 +1,1 @@
+"""The network detector: the rank or link everybody's communication waits for."""

@@ -1,0 +1,419 @@
+"""Network: the rank (or link) everybody's communication waits for.
+
+Long waits in collectives with normal compute mean communication is the
+bottleneck, but the ranks that wait longest are the victims. Within one
+collective the rank everyone waited for has the SHORTEST wait (it arrived
+last, or its link is the slow one), and waits cascade: a rank late to the
+next collective because it waited in the previous one is a victim too. So
+(see ``collective_waits``) a root is a rank others waited for that did not
+itself wait; a rank whose own compute or input was slow enough to explain
+its lateness is the straggler detector's case, not a network fault.
+
+Two more rules: SCOUT's cross-group intersection (the one rank common to
+all slow collectives without a clear last arriver, i.e. a slow link that
+slows whole rings) and, when no per-collective timings exist, the peer
+group's ``comm_s`` (the awaited rank is the one that waited far less than
+its peers). Attribution needs a strict minority of roots, the
+awaited-for evidence must come from a collective of three or more ranks or
+from two distinct partners (two ranks alone: unattributed), and the root
+must persist ``persist_steps`` steps (more where chance streaks are common,
+see ``FlagRate``).
+
+Per-collective analysis is Python over records, so large jobs run it only
+when communication looks wrong: a peer group whose ``comm_s`` is skewed, or
+the job's median ``comm_s`` above its own history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.detectors.evidence import metric_evidence, num
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.network.late_arrival import LastArrivalScan, min_count
+from rankscope.detectors.network.late_window import late_residual_hits
+from rankscope.detectors.network.waits import Waits, collective_waits
+from rankscope.detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.stats.consensus import peer_consensus, step_reference_s, strict_majority
+from rankscope.detectors.stats.history import RankHistory
+from rankscope.detectors.stats.history_state import PartsState, make_window
+from rankscope.detectors.stats.peers import PeerCache
+from rankscope.detectors.stats.persistence import FlagRate, StreakCounter
+
+__all__ = ["NetworkConfig", "NetworkState", "detect"]
+
+NAME = "network"
+_COLS = ("comm_s", "compute_s", "data_s")
+CLOCK_EVERY = 16  # once a rank's clock offset baseline is full, one clean step in this many
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkConfig:
+    """Settings of the communication localization detector (times in seconds)."""
+
+    z_min: float = 3.5  # robust z for comm_s skew in a peer group
+    min_excess_s: float = 0.002  # waits shorter than this are not waits
+    min_excess_step_frac: float = 0.03  # nor waits under this share of the median step
+    victim_frac: float = 0.5  # a root waited itself less than this share of what it was waited for
+    compute_explains_frac: float = 0.5  # own compute/data excess this large explains lateness
+    slow_ratio: float = 1.5  # a collective without a late arriver is slow above this x typical
+    # a root's wait must exceed this x the job's usual arrival gap, and the largest
+    # usual gap of the recent clean steps
+    noise_ratio: float = 3.0
+    persist_steps: int = 2  # consecutive steps before a finding (in a quiet job)
+    max_persist_steps: int = 6  # a noisy job asks for longer streaks, up to this
+    chance_findings_per_step: float = 1e-4  # tolerated chance streaks per step, whole job
+    always_below_rows: int = 64  # jobs this small analyse collectives every step
+    history_steps: int = 32  # clean steps kept for baselines
+    history_min_steps: int = 5  # clean steps before a baseline judges
+    history_ratio: float = 1.25  # job comm_s above this x its median opens the analysis
+    late_window: int = 20  # steps over which arrival order is counted
+    late_work_ratio: float = 1.1  # own compute + input this x peers' (window median): a straggler
+    late_chance_per_step: float = 1e-3  # tolerated chance "always last" counts per step, job
+    # lateness not explained by own work, averaged over windows of these lengths (late_window)
+    window_steps: tuple[int, ...] = (4, 8, 16, 32)
+    window_clip: float = 3.0  # one step counts at most this many sigmas
+
+    def __post_init__(self) -> None:
+        if self.z_min <= 0:
+            raise ValueError("z_min must be > 0")
+        if self.min_excess_s < 0 or self.min_excess_step_frac < 0:
+            raise ValueError("min_excess_s and min_excess_step_frac must be >= 0")
+        if not 0 < self.victim_frac <= 1 or not 0 < self.compute_explains_frac <= 1:
+            raise ValueError("victim_frac and compute_explains_frac must be in (0, 1]")
+        if self.slow_ratio <= 1 or self.history_ratio < 1 or self.noise_ratio < 1:
+            raise ValueError("need slow_ratio > 1, history_ratio >= 1, noise_ratio >= 1")
+        if not 1 <= self.persist_steps <= self.max_persist_steps:
+            raise ValueError("need 1 <= persist_steps <= max_persist_steps")
+        if not 0 < self.chance_findings_per_step < 1:
+            raise ValueError("chance_findings_per_step must be in (0, 1)")
+        if self.always_below_rows < 0:
+            raise ValueError("always_below_rows must be >= 0")
+        if self.late_window < 4 or self.late_work_ratio < 1:
+            raise ValueError("need late_window >= 4 and late_work_ratio >= 1")
+        if not 0 < self.late_chance_per_step < 1:
+            raise ValueError("late_chance_per_step must be in (0, 1)")
+        if not 1 <= self.history_min_steps <= self.history_steps:
+            raise ValueError("need 1 <= history_min_steps <= history_steps")
+        if not self.window_steps or min(self.window_steps) < 2 or max(self.window_steps) > 256:
+            raise ValueError("window_steps must be lengths between 2 and 256")
+        if self.window_clip <= 0:
+            raise ValueError("window_clip must be > 0")
+
+
+class NetworkState(PartsState):
+    """Peer cache, per-rank comm history (evidence), job comm baseline, typical collectives."""
+
+    __slots__ = (
+        "peers",
+        "history",
+        "job",
+        "typical",
+        "pending",
+        "gaps",
+        "pending_gap",
+        "pending_job",
+        "lateness",
+        "pending_lateness",
+        "resid",
+        "pending_resid",
+        "scan",
+        "streak",
+        "pair_streak",
+        "rate",
+        "pair_rate",
+        "window",
+        "cfg",
+    )
+    PARTS = (
+        "history", "job", "lateness", "resid", "scan",
+        "streak", "pair_streak", "rate", "pair_rate", "window",
+    )  # fmt: skip
+    REQUIRED = ("history", "job")
+
+    def __init__(self, cfg: NetworkConfig) -> None:
+        self.cfg = cfg
+        self.peers = PeerCache()
+        self.history = RankHistory(("comm_s",), cfg.history_steps)
+        self.job = RankHistory(("comm_s",), cfg.history_steps)  # one "rank": the job median
+        self.typical: dict[str, list[float]] = {}  # group name -> recent typical s
+        self.pending: dict[str, float] = {}  # this step's typical s, learnt if the step is clean
+        self.gaps: list[float] = []  # recent clean steps' median wait for a last arriver
+        self.pending_gap: float | None = None
+        self.pending_job: float | None = None  # this step's median of peer-group comm medians
+        self.lateness = RankHistory(("lateness",), cfg.history_steps)  # clock offsets
+        self.pending_lateness: np.ndarray | None = None
+        # lateness less own work excess: its per-rank usual value (clock offset, habit)
+        self.resid = RankHistory(("resid",), cfg.history_steps)
+        self.pending_resid: np.ndarray | None = None
+        self.scan = LastArrivalScan(cfg.late_window)
+        self.streak = StreakCounter()
+        self.pair_streak = StreakCounter()
+        self.rate = FlagRate(cfg.history_steps)
+        self.pair_rate = FlagRate(cfg.history_steps)
+        self.window = make_window(cfg)
+
+    def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
+        self.history.learn(frame.rank, frame.m, clean_mask)
+        self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
+        lat, self.pending_lateness = self.pending_lateness, None
+        if lat is not None and lat.shape[0] == frame.n:
+            # a clock offset is near constant: fill the baseline, then follow it only slowly
+            # (one step in CLOCK_EVERY), so a fault that makes a rank late is not learnt
+            # as its clock within a few steps
+            have, _, _ = self.lateness.assess(frame.rank, "lateness")
+            slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
+            self.lateness.learn(frame.rank, {"lateness": lat}, clean_mask & slow)
+        res, self.pending_resid = self.pending_resid, None
+        if res is not None and res.shape[0] == frame.n:  # the same slow following
+            have, _, _ = self.resid.assess(frame.rank, "resid")
+            slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
+            self.resid.learn(frame.rank, {"resid": res}, clean_mask & slow)
+        if clean_mask.size == 0 or clean_mask.mean() < 0.9:  # a troubled step teaches nothing
+            self.pending, self.pending_gap, self.pending_job = {}, None, None
+            return
+        if self.pending_job is not None and np.isfinite(self.pending_job):
+            med = np.array([self.pending_job])
+            self.job.learn(np.zeros(1, dtype=np.int64), {"comm_s": med}, np.ones(1, dtype=bool))
+        for name, s in self.pending.items():
+            ring = self.typical.setdefault(name, [])
+            ring.append(s)
+            del ring[: -self.cfg.history_steps]
+        if self.pending_gap is not None:
+            self.gaps.append(self.pending_gap)
+            del self.gaps[: -self.cfg.history_steps]
+        self.pending, self.pending_gap, self.pending_job = {}, None, None
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["typical"] = {k: list(v) for k, v in self.typical.items()}
+        out["gaps"] = list(self.gaps)
+        return out
+
+    def load_state_dict(self, d: dict) -> None:
+        super().load_state_dict(d)
+        self.typical = {str(k): [float(x) for x in v] for k, v in d.get("typical", {}).items()}
+        self.gaps = [float(x) for x in d.get("gaps", [])]
+
+
+def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> DetectorOutput:
+    out = DetectorOutput()
+    n = frame.n
+    if n == 0:
+        return out
+    idx = state.peers.get(frame.group)
+    nan = np.full(n, np.nan)
+    c = peer_consensus(idx, frame.m.get("comm_s", nan)[None, :])
+    out.scores = {"comm_s": c.scores(("comm_s",))["comm_s"]}
+    comm, med = c.x[0], c.median[0]
+    floor = cfg.min_excess_s
+    with np.errstate(invalid="ignore"):
+        skew = np.abs(c.z[0]) > cfg.z_min
+        if skew.any():
+            skew &= np.abs(comm - med) > floor
+        if skew.any() or n <= cfg.always_below_rows:  # the step floor costs a median
+            floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
+            skew &= np.abs(comm - med) > floor
+    has_colls = bool(frame.collectives) and any(frame.collectives)
+    gmed = c.group_median[0]
+    state.pending_job = float(np.nanmedian(gmed)) if np.isfinite(gmed).any() else None
+    if not (n <= cfg.always_below_rows or skew.any() or _job_comm_high(state, cfg)):
+        for streaks, rate in ((state.streak, state.rate), (state.pair_streak, state.pair_rate)):
+            if streaks.count.any():  # nothing deviates this step: streaks end
+                prev = streaks.peek(frame.rank)
+                streaks.update(frame.rank, np.zeros(n, dtype=bool))
+                _required(rate, prev, np.zeros(n, dtype=bool), n, cfg)
+            else:
+                rate.observe(0, n)
+        return out
+    floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
+    # from here on the step is being analysed: own compute / input times join in
+    x = np.stack([frame.m.get(col, nan) for col in _COLS])
+    c = peer_consensus(idx, x)
+    if has_colls:
+        w = collective_waits(frame, floor_s=floor)
+        state.pending = dict(w.typical_s)
+        state.pending_gap = float(np.median(w.gaps)) if w.gaps else None
+        if len(state.gaps) >= cfg.history_min_steps:  # arrival noise of this job
+            ring = np.asarray(state.gaps)
+            floor = max(floor, cfg.noise_ratio * float(np.median(ring)), float(ring.max()))
+        elif n <= cfg.always_below_rows:  # a small job learns its noise before it judges
+            floor = np.inf
+        rule = np.full(n, "", dtype=object)
+        rule[w.awaited_s > 0] = "last_arrival_or_shortest_wait"
+        _intersection(w, state, cfg, floor, rule)
+        late, late_win = _persistent_late(frame, idx, w, c, state, cfg)
+    else:
+        w, rule = _from_comm_s(idx, c, cfg, floor, n)
+        late = late_win = np.zeros(n, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        own_excess = np.nan_to_num(x[1:] - c.median[1:], nan=0.0).max(axis=0)
+    root = (w.awaited_s > floor) & (w.waited_s < cfg.victim_frac * w.awaited_s)
+    root &= ~(own_excess >= cfg.compute_explains_frac * w.awaited_s)
+    if late.any():
+        root |= late
+        rule[late_win & (rule == "")] = "late_arrival_window"
+        rule[late & (rule == "")] = "persistent_last_arrival"
+    if root.sum() * 2 >= n:  # no healthy majority: the whole job is slow, not one rank
+        root[:] = False
+    solid = root & ((w.awaited_k >= 3) | np.array([len(p) >= 2 for p in w.partners]))
+    pair = root & ~solid
+    prev, pprev = state.streak.peek(frame.rank), state.pair_streak.peek(frame.rank)
+    streak = state.streak.update(frame.rank, solid)
+    pstreak = state.pair_streak.update(frame.rank, pair)
+    need = _required(state.rate, prev, solid, n, cfg)
+    pneed = _required(state.pair_rate, pprev, pair, n, cfg)
+    for row in np.flatnonzero(solid & (streak >= need)):
+        out.signals.append(_signal(frame, idx, c, w, state, int(row), str(rule[row]), False))
+    for row in np.flatnonzero(pair & (pstreak >= pneed)):
+        out.signals.append(_signal(frame, idx, c, w, state, int(row), str(rule[row]), True))
+    return out
+
+
+def _required(rate: FlagRate, prev, hit, rows: int, cfg: NetworkConfig) -> int:
+    """Streak needed now (from the chance rate so far); then count streaks chance ended."""
+    need = rate.required(
+        cfg.persist_steps, cfg.max_persist_steps, int(rows), cfg.chance_findings_per_step
+    )
+    if rate.steps < cfg.history_min_steps:  # the first steps of a job (warm-up) teach only
+        need = cfg.max_persist_steps + 1_000_000
+    rate.observe(int(np.count_nonzero(~hit & (prev > 0) & (prev < need))), int(rows))
+    return need
+
+
+def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkConfig):
+    """Rows that arrive last far more often than fair turns allow, their own work normal."""
+    n = frame.n
+    lat = w.lateness
+    state.pending_lateness = lat
+    late = np.zeros(n, dtype=bool)
+    if lat.shape[0] != n or not np.isfinite(lat).any():
+        return late, late.copy()
+    _, offset, _ = state.lateness.assess(frame.rank, "lateness")  # the rank's clock offset
+    corr = lat - np.where(np.isfinite(offset), offset, 0.0)
+    rows, k = idx.argmax_rows(corr)
+    top2 = np.sort(np.nan_to_num(idx.matrix(corr), nan=-np.inf), axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-6  # a tie names nobody
+    members = idx.rows(k)
+    last_now = np.zeros(n, dtype=bool)
+    last_now[rows[(rows >= 0) & (k >= 3) & clear]] = True
+    seen = np.isfinite(corr) & (members >= 3)
+    with np.errstate(invalid="ignore", divide="ignore"):  # own work: compute plus input
+        own = np.nan_to_num(c.x[1], nan=0.0) + np.nan_to_num(c.x[2], nan=0.0)
+        work = own / (np.nan_to_num(c.median[1], nan=0.0) + np.nan_to_num(c.median[2], nan=0.0))
+    times_last, steps, work_ratio = state.scan.update(frame.rank, last_now, work, seen)
+    base_floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    count, usual, _ = state.resid.assess(frame.rank, "resid")
+    usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
+    hit, mean, state.pending_resid = late_residual_hits(
+        idx, frame.rank, lat, own, usual, state.window,
+        floor_s=base_floor, chance=cfg.chance_findings_per_step,
+    )
+    for row in np.flatnonzero(hit):
+        late[row] = True
+        w.awaited_s[row] = max(w.awaited_s[row], float(mean[row]))
+        w.awaited_k[row] = max(w.awaited_k[row], int(members[row]))
+    window_rows = hit.copy()
+    alpha = cfg.late_chance_per_step / max(n, 1)
+    enough = seen & (steps * 2 >= cfg.late_window)
+    for row in np.flatnonzero(enough & (times_last * members > steps)):  # above fair share
+        need = min_count(int(steps[row]), int(members[row]), alpha)
+        if times_last[row] >= need and not work_ratio[row] >= cfg.late_work_ratio:
+            late[row] = True
+            w.awaited_s[row] = max(w.awaited_s[row], float(max(corr[row], 0.0)))
+            w.awaited_k[row] = max(w.awaited_k[row], int(members[row]))
+    return late, window_rows
+
+
+def _job_comm_high(state: NetworkState, cfg: NetworkConfig) -> bool:
+    """The job's comm_s (median of group medians) above its own clean history."""
+    if state.pending_job is None:
+        return False
+    limit, _ = state.job.slow_limit(
+        np.zeros(1, dtype=np.int64),
+        "comm_s",
+        ratio=cfg.history_ratio,
+        k_sigma=4.0,
+        min_count=cfg.history_min_steps,
+    )
+    return bool(state.pending_job > limit[0])
+
+
+def _intersection(w: Waits, state: NetworkState, cfg: NetworkConfig, floor: float, rule) -> None:
+    """SCOUT's rule: the rank in every slow flat collective and in no fast one."""
+    slow_sets, fast_rows = [], []
+    for name, med_s, rows in w.flat:
+        ring = state.typical.get(name, [])
+        base = float(np.median(ring)) if len(ring) >= cfg.history_min_steps else np.nan
+        if not np.isfinite(base):
+            continue
+        if med_s > cfg.slow_ratio * base and med_s - base > floor:
+            slow_sets.append((frozenset(rows.tolist()), med_s - base))
+        else:
+            fast_rows.extend(rows.tolist())
+    distinct = {s for s, _ in slow_sets}
+    if len(distinct) < 2:
+        return
+    common = frozenset.intersection(*distinct) - set(fast_rows)
+    union = frozenset.union(*distinct)
+    if not common or len(common) * 2 >= len(union):
+        return
+    excess = max(e for _, e in slow_sets)
+    for row in common:
+        w.awaited_s[row] = max(w.awaited_s[row], excess)
+        w.awaited_k[row] = max(w.awaited_k[row], len(union))
+        rule[row] = "cross_group_intersection"
+
+
+def _from_comm_s(idx, c, cfg: NetworkConfig, floor: float, n: int):
+    """No per-collective timings: the rank that waited far less than its peers was awaited."""
+    comm, med = c.x[0], c.median[0]
+    with np.errstate(invalid="ignore"):
+        low = (c.z[0] < -cfg.z_min) & (med - comm > floor)
+    low &= strict_majority(idx, low, c.count[0])[0]
+    w = Waits(
+        awaited_s=np.where(low, med - comm, 0.0),
+        waited_s=np.zeros(n),
+        awaited_in=low.astype(np.int64),
+        awaited_k=np.where(low, c.count[0], 0).astype(np.int64),
+        partners=[set() for _ in range(n)],
+    )
+    rule = np.full(n, "", dtype=object)
+    rule[low] = "peer_comm_s"
+    return w, rule
+
+
+def _signal(frame, idx, c, w: Waits, state, row: int, rule: str, unattributed: bool) -> Signal:
+    peers = idx.peers_of(row)
+    peers = peers[peers != row]
+    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], "comm_s")
+    ranks = (int(frame.rank[row]),)
+    if unattributed:
+        ranks = tuple(sorted({ranks[0], *w.partners[row]}))
+    return Signal(
+        kind="network",
+        ranks=ranks,
+        detector=NAME,
+        score=float(w.awaited_s[row]),
+        severity="transient" if unattributed else "persistent",
+        evidence=metric_evidence(
+            "comm_s",
+            c.x[0, row],
+            c.median[0, row],
+            c.x[0, peers],
+            history_median=hmed[0],
+            rule=rule,
+            awaited_s=num(w.awaited_s[row]),
+            own_wait_s=num(w.waited_s[row]),
+            awaited_in=int(w.awaited_in[row]),
+            compute_s=num(c.x[1, row]),
+            compute_peer_median=num(c.median[1, row]),
+            root_rank=int(frame.rank[row]),
+        ),
+        unattributed=unattributed,
+    )
+
+
+CONFIG = NetworkConfig
+STATE = NetworkState

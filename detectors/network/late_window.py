@@ -1,0 +1,84 @@
+"""Late arrival that the rank's own work does not explain, averaged over a few steps.
+
+A rank whose link or communication thread is slow starts its next step
+late, so it enters the next collectives late and everyone waits for it
+there; but so does a rank that merely drew a long batch. Subtracting what
+its own work explains separates the two: per step, the rank's arrival
+lateness (entry ``t0`` minus the collective's median, less its clock
+offset) minus its own compute + input excess over the peer median. For
+healthy ranks this residual is the jitter of step starts (milliseconds); for
+the rank with the slow link it is the delay, every step. Each rank's usual
+residual (clock offset, a habitually late start) is learnt from clean steps
+and followed slowly, so only a change counts.
+
+The residual, over the group's learnt per-step spread (``SlowWindow``: the
+median of the last clean steps' robust sigma), is averaged over windows of
+several lengths and tested against the normal quantile that keeps chance
+findings at ``chance`` per step for the whole job. A window names a rank
+when, in addition, its mean residual exceeds the detector's floor (2 ms and
+3 % of the step), a strict majority of its group is not late the same way,
+and the group has three or more ranks. A named rank stays named while its
+longest window keeps the floor (one incident, not one per dip) and its
+shortest window keeps half of it (the delay has not ended).
+
+Counting last arrivals (``late_arrival``) needs no noise model but many
+steps; this needs a few steps when the delay is a few sigmas of the jitter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rankscope.detectors.stats.consensus import peer_consensus
+from rankscope.detectors.stats.slow_window import SlowWindow, z_threshold
+
+__all__ = ["late_residual_hits"]
+
+
+def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: float,
+                       chance: float):
+    """(hit mask, window mean excess residual seconds, this step's residuals) per row.
+
+    ``lat``: arrival lateness (s, NaN where unknown); ``own``: the row's compute
+    + input time (s); ``usual``: each rank's usual residual in clean steps (its
+    clock offset and habits; NaN until learnt, and then the rank is not judged).
+    """
+    n = ranks.shape[0]
+    c_own = peer_consensus(idx, own)
+    with np.errstate(invalid="ignore"):
+        raw = lat - (own - c_own.median[0])
+        resid = raw - usual
+    c = peer_consensus(idx, resid)
+    count = c.count[0]
+    with np.errstate(invalid="ignore"):
+        dev = resid - c.median[0]
+    z, scale = ws.standardize(idx, dev, count, c.group_scale[0])
+    res = ws.update(ranks, z, np.zeros(n), dev, scale)
+    hit = np.zeros(n, dtype=bool)
+    mean = np.zeros(n)
+    known = (ranks >= 0) & (ranks < ws.active.shape[0])
+    held = np.zeros(n, dtype=bool)
+    held[known] = ws.active[ranks[known]]
+    with np.errstate(invalid="ignore"):
+        fresh = res.z > z_threshold(n, len(ws.lengths), chance)
+    rows = np.flatnonzero(fresh | held)
+    if rows.size == 0:
+        return hit, mean, raw
+    ok, _, _, ex, _ = ws.qualify(
+        ranks[rows], scale[rows], held[rows], z_threshold(n, len(ws.lengths), chance),
+        lambda _lr, ex: ex > floor_s,
+    )
+    # A named rank stays named on its longest window, which still holds the
+    # delayed steps for a long window after the delay ends; it is released once
+    # its shortest window has dropped under half the floor (the last few steps
+    # are back to normal), so the incident ends where the delay did.
+    _, recent = ws.means(ranks[rows], np.full(rows.size, ws.lengths[0]))
+    with np.errstate(invalid="ignore"):
+        ok &= ~(held[rows] & (recent < 0.5 * floor_s))
+    hit[rows[ok]] = True
+    mean[rows] = np.where(ok, ex, 0.0)
+    if hit.any():  # strict healthy majority within each group
+        n_hit = np.bincount(idx.row_gid, weights=hit.astype(float), minlength=idx.n_groups)
+        hit &= ((count - idx.rows(n_hit)) * 2 > count) & (count >= 3)
+    ws.active[ranks[rows[held[rows] & ~hit[rows]]]] = False
+    ws.active[ranks[hit & known]] = True
+    return hit, mean, raw

@@ -1,0 +1,1 @@
+"""Shared statistics of the detectors: robust peer scores, per-rank history, streaks, windows."""

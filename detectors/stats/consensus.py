@@ -1,0 +1,98 @@
+"""Symmetric consensus: score every rank against its peer group, all metrics at once.
+
+Peers run the same code on different data, so within a peer group the median
+is what a healthy rank looks like and the robust sigma is how much healthy
+ranks differ. ``peer_consensus`` gives, for a stack of metrics, each row's
+peer median, sigma, group count and robust z; ``strict_majority`` tells
+where enough peers are healthy for a deviation to be attributed (more than
+half of the group's reporting ranks are not flagged). With two peers nobody
+can be a majority against the other, which is the point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.stats.peers import PeerIndex
+from rankscope.detectors.stats.robust import group_stats, robust_z
+
+__all__ = [
+    "Consensus",
+    "peer_consensus",
+    "strict_majority",
+    "group_min",
+    "step_reference_s",
+    "Z_CAP",
+]
+
+Z_CAP = 1000.0  # scores are clipped to +-Z_CAP so infinities stay storable
+
+
+@dataclass(slots=True)
+class Consensus:
+    """Per metric and row (shape ``(metrics, n)``): peer median, sigma, count, robust z."""
+
+    x: np.ndarray
+    median: np.ndarray
+    scale: np.ndarray
+    count: np.ndarray
+    z: np.ndarray
+    group_median: np.ndarray  # (metrics, groups): the medians themselves, once per group
+    group_scale: np.ndarray | None = None  # (metrics, groups): robust sigma, once per group
+
+    def scores(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """metric -> clipped z over rows (NaN where not scored), for the heatmap."""
+        z = np.clip(self.z, -Z_CAP, Z_CAP)
+        return {name: z[i] for i, name in enumerate(names)}
+
+
+def peer_consensus(idx: PeerIndex, x: np.ndarray) -> Consensus:
+    """Robust peer statistics of ``x`` (metrics, n) broadcast back to rows."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float64))
+    stats = group_stats(idx.matrix(x))
+    median = idx.rows(stats.median)
+    scale = idx.rows(stats.scale)
+    count = idx.rows(stats.count)
+    z = robust_z(x, median, scale)
+    if stats.count.size and stats.count.min() < 3:  # fewer than three peers: no consensus
+        z = np.where(count >= 3, z, np.nan)
+    return Consensus(
+        x=x,
+        median=median,
+        scale=scale,
+        count=count,
+        z=z,
+        group_median=stats.median,
+        group_scale=stats.scale,
+    )
+
+
+def strict_majority(idx: PeerIndex, flagged: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Per row: True where the unflagged ranks of its group are more than half of it."""
+    flagged = np.atleast_2d(flagged)
+    if not flagged.any():
+        return count > 0
+    per_group = idx.matrix(flagged.astype(np.float64), fill=0.0).sum(axis=-1)
+    n_flagged = idx.rows(per_group)
+    return (count - n_flagged) * 2 > count
+
+
+def group_min(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
+    """Per row: the smallest finite value of its group (NaN when none)."""
+    mat = idx.matrix(np.where(np.isfinite(x), x, np.inf), fill=np.inf)
+    low = mat.min(axis=-1)
+    return idx.rows(np.where(np.isfinite(low), low, np.nan))
+
+
+def step_reference_s(frame: StepFrame) -> float:
+    """Typical step time of this step: median step_s, else the sum of the median parts.
+
+    Floors scaled by it keep a few milliseconds from counting in a long step.
+    """
+    for cols in (("step_s",), ("compute_s", "comm_s", "data_s")):
+        vals = [frame.m[c] for c in cols if c in frame.m and np.isfinite(frame.m[c]).any()]
+        if vals:
+            return float(sum(np.nanmedian(v) for v in vals))
+    return 0.0

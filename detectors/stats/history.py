@@ -1,0 +1,133 @@
+"""Per-rank rolling baseline: each rank compared with its own recent past.
+
+Peers cannot see a fault that hits all of them at once, and a rank without
+peers (data parallel degree 1) has nobody to be compared with; its own last
+clean steps still say what is normal for it. ``RankHistory`` keeps, per rank
+and metric, a ring of the last ``window`` clean readings. ``assess`` reads
+without changing anything; ``learn`` writes only rows the engine found clean,
+so a fault never teaches the baseline that it is normal.
+
+Storage is one array ``(metrics, ranks, window)`` indexed by global rank, so
+a step learns with one fancy-index write; ranks that appear late grow it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rankscope.detectors.stats.persistence import RANK_LIMIT, usable_ranks
+from rankscope.detectors.stats.robust import MAD_TO_SIGMA, quantile_sorted
+
+__all__ = ["RankHistory"]
+
+
+class RankHistory:
+    """Last ``window`` clean readings per rank for each of ``metrics``."""
+
+    __slots__ = ("metrics", "window", "buf", "pos", "_mi")
+
+    def __init__(self, metrics: tuple[str, ...], window: int = 32) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.metrics = tuple(metrics)
+        self.window = int(window)
+        self._mi = {m: i for i, m in enumerate(self.metrics)}
+        self.buf = np.full((len(self.metrics), 0, self.window), np.nan)
+        self.pos = np.zeros(0, dtype=np.int64)
+
+    def _grow(self, n_ranks: int) -> None:
+        have = self.pos.shape[0]
+        if n_ranks <= have:
+            return
+        new = max(n_ranks, 2 * have)
+        pad = np.full((len(self.metrics), new - have, self.window), np.nan)
+        self.buf = np.concatenate([self.buf, pad], axis=1)
+        self.pos = np.concatenate([self.pos, np.zeros(new - have, dtype=np.int64)])
+
+    def learn(self, ranks: np.ndarray, values: dict[str, np.ndarray], clean: np.ndarray) -> None:
+        """Append the readings of clean rows; NaN readings are stored as gaps."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        clean = np.asarray(clean, dtype=bool)
+        if ranks.size == 0:
+            return
+        if int(ranks.min()) < 0 or int(ranks.max()) >= RANK_LIMIT:
+            clean = clean & usable_ranks(ranks)
+        every = bool(clean.all())
+        if not every:
+            ranks = ranks[clean]
+        if ranks.size == 0:
+            return
+        self._grow(int(ranks.max()) + 1)
+        slot = self.pos[ranks]
+        flat = ranks * self.window + slot  # one flat put per metric
+        for m, i in self._mi.items():
+            v = values.get(m)
+            if v is None:
+                v = np.full(ranks.shape[0], np.nan)
+            else:
+                v = np.asarray(v, dtype=np.float64)
+                v = v if every else v[clean]
+            np.put(self.buf[i], flat, v)
+        slot += 1
+        slot[slot == self.window] = 0
+        self.pos[ranks] = slot
+
+    def assess(self, ranks: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(count, median, robust sigma) of each rank's window; no state change.
+
+        Ranks never seen get count 0 and NaN statistics.
+        """
+        ranks = np.asarray(ranks, dtype=np.int64)
+        k = ranks.shape[0]
+        known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
+        sub = np.full((k, self.window), np.nan)
+        sub[known] = self.buf[self._mi[metric], ranks[known]]
+        sub = np.where(np.isfinite(sub), sub, np.nan)
+        count = np.sum(~np.isnan(sub), axis=1)
+        s = np.sort(sub, axis=1)
+        with np.errstate(invalid="ignore"):
+            med = quantile_sorted(s, count, 0.5)
+            dev = np.sort(np.abs(sub - med[:, None]), axis=1)
+            sigma = MAD_TO_SIGMA * quantile_sorted(dev, count, 0.5)
+        return count, med, sigma
+
+    def slow_limit(
+        self,
+        ranks: np.ndarray,
+        metric: str,
+        *,
+        ratio: float,
+        k_sigma: float,
+        min_count: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: (limit above which it is slow for itself, history median).
+
+        limit = max(ratio x median, median + k_sigma x sigma); NaN until the
+        rank has ``min_count`` clean readings.
+        """
+        count, med, sigma = self.assess(ranks, metric)
+        limit = np.maximum(ratio * med, med + k_sigma * sigma)
+        return np.where(count >= min_count, limit, np.nan), med
+
+    def state_dict(self) -> dict:
+        """JSON-compatible: readings as lists with None for gaps."""
+        buf = self.buf.astype(object)
+        buf[np.isnan(self.buf)] = None
+        return {
+            "metrics": list(self.metrics),
+            "window": self.window,
+            "pos": self.pos.tolist(),
+            "buf": buf.tolist(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        if tuple(d.get("metrics", ())) != self.metrics or int(d.get("window", -1)) != self.window:
+            raise ValueError(
+                f"history state is for metrics {d.get('metrics')} window {d.get('window')}, "
+                f"not {list(self.metrics)} window {self.window}"
+            )
+        self.pos = np.asarray(d["pos"], dtype=np.int64)
+        buf = np.array(d["buf"], dtype=object).reshape(
+            len(self.metrics), self.pos.shape[0], self.window
+        )
+        buf[buf == None] = np.nan  # noqa: E711 (elementwise on an object array)
+        self.buf = buf.astype(np.float64)

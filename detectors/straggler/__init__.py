@@ -1,0 +1,1 @@
+"""The straggler detector: a rank whose own work is slower than its peers'."""

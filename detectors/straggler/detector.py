@@ -1,0 +1,309 @@
+"""Stragglers: a rank whose own work (compute, input) is slower than its peers'.
+
+``compute_s`` excludes time blocked in collectives and ``data_s`` is time
+waiting for input, so a slow rank shows up in its own numbers while its
+victims only wait (that is ``comm_s``, the network detector's business).
+Within each peer group a rank is slow when its robust z is high AND it is
+clearly slower in absolute terms: at least ``min_ratio`` x the peer median,
+``min_excess_s`` more, and an excess worth ``min_excess_step_frac`` of the
+step (a 3 ms data hiccup in a 2 s step slows nobody). Only the slow
+direction counts. When every rank reports ``tokens``, ``compute_s`` is
+judged against what the peers predict for the rank's batch instead (the
+windowed test's token model and learnt spread, ``straggler_window``): a long
+batch is not slowness, and where device time dominates a 1.2x rank is
+several sigmas slow in a single step. The deviation must build a streak of
+``persist_steps`` (a step without it takes one off rather than starting
+over, so a straggler hidden by noise now and then still adds up), longer in
+a job where isolated deviations are common (``FlagRate``: a streak that
+chance alone would produce is not evidence); streaks and chance rates are
+kept per metric and, for the calibrated compute z, also for far-out steps
+(``straggler_streaks``), so a clear slowdown is confirmed in two steps while
+middling evidence waits for what the job's noise demands. Weaker evidence
+accumulates in the windowed test.
+
+Attribution needs a strict healthy majority of the group. Two peers that
+disagree are reported unattributed (both ranks, no blame). A rank without
+peers is judged against its own clean history (slow above max(ratio x
+median, median + k x sigma)), and only while most such ranks are not slow
+at once (then it is the workload, not a rank).
+
+Not blamed, by construction: a pipeline stage slower than other stages on
+all its dp peers (stages are different groups), per-step noise (absorbed in
+the peer sigma and by persistence), a rank a few percent slower (ratio floor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.detectors.evidence import metric_evidence, num
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.gpu.readings import gpu_context
+from rankscope.detectors.signal import DetectorOutput, Signal
+from rankscope.detectors.stats.consensus import (
+    Z_CAP,
+    group_min,
+    peer_consensus,
+    step_reference_s,
+    strict_majority,
+)
+from rankscope.detectors.stats.history import RankHistory
+from rankscope.detectors.stats.history_state import PartsState, make_window
+from rankscope.detectors.stats.peers import PeerCache
+from rankscope.detectors.stats.persistence import FlagRate, StreakCounter
+from rankscope.detectors.straggler.streaks import SlowStreaks, required_streak
+from rankscope.detectors.straggler.token_model import TokenModel
+from rankscope.detectors.straggler.window import window_hits, window_signal
+
+__all__ = ["StragglerConfig", "StragglerState", "detect"]
+
+NAME = "straggler"
+
+
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    """Settings of the straggler detector (times in seconds)."""
+
+    metrics: tuple[str, ...] = ("compute_s", "data_s")  # per-rank work times judged
+    z_min: float = 3.5  # robust z above the peer median to count as slow
+    min_ratio: float = 1.1  # and at least this multiple of the peer median
+    min_excess_s: float = 0.002  # and at least this many seconds above it
+    min_excess_step_frac: float = 0.03  # and at least this share of the median step time
+    persist_steps: int = 2  # consecutive slow steps before a finding (in a quiet job)
+    strong_z: float = 7.0  # a step this far above its peers is clear: own chance rate, streak
+    max_persist_steps: int = 6  # a noisy job asks for longer streaks, up to this
+    chance_findings_per_step: float = 1e-4  # tolerated chance streaks per step, whole job
+    history_steps: int = 32  # clean steps kept per rank
+    history_min_steps: int = 5  # clean steps before the history judges
+    history_ratio: float = 1.25  # slow for itself above this multiple of its median
+    history_k_sigma: float = 4.0  # or this many robust sigmas above its median
+    # windowed test (see straggler_window): per-step log ratios to the peer median,
+    # standardized by the group's learnt spread, averaged over windows of these lengths
+    window_metric: str = "compute_s"  # "" turns the windowed test off
+    window_steps: tuple[int, ...] = (4, 8, 16, 32)
+    window_clip: float = 3.0  # one step counts at most this many sigmas
+    per_token: bool = True  # expect compute from tokens when every rank reports them
+
+    def __post_init__(self) -> None:
+        if not self.metrics:
+            raise ValueError("metrics must name at least one column")
+        if self.z_min <= 0:
+            raise ValueError("z_min must be > 0")
+        if self.strong_z < self.z_min:
+            raise ValueError("strong_z must be >= z_min")
+        if self.min_ratio < 1.0 or self.history_ratio < 1.0:
+            raise ValueError("min_ratio and history_ratio must be >= 1")
+        if self.min_excess_s < 0 or self.min_excess_step_frac < 0:
+            raise ValueError("min_excess_s and min_excess_step_frac must be >= 0")
+        if not 1 <= self.persist_steps <= self.max_persist_steps:
+            raise ValueError("need 1 <= persist_steps <= max_persist_steps")
+        if not 0 < self.chance_findings_per_step < 1:
+            raise ValueError("chance_findings_per_step must be in (0, 1)")
+        if not 1 <= self.history_min_steps <= self.history_steps:
+            raise ValueError("need 1 <= history_min_steps <= history_steps")
+        if self.history_k_sigma < 0:
+            raise ValueError("history_k_sigma must be >= 0")
+        if self.window_metric and self.window_metric not in self.metrics:
+            raise ValueError("window_metric must be one of metrics (or empty)")
+        if not self.window_steps or min(self.window_steps) < 2 or max(self.window_steps) > 256:
+            raise ValueError("window_steps must be lengths between 2 and 256")
+        if self.window_clip <= 0:
+            raise ValueError("window_clip must be > 0")
+
+
+class StragglerState(PartsState):
+    """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
+
+    __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
+    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
+
+    def __init__(self, cfg: StragglerConfig) -> None:
+        self.peers = PeerCache()
+        self.history = RankHistory(cfg.metrics, cfg.history_steps)
+        self.streaks = SlowStreaks(cfg.metrics, cfg.history_steps)
+        self.pair_streak = StreakCounter()
+        self.pair_rate = FlagRate(cfg.history_steps)
+        self.window = make_window(cfg)
+        self.tokens = TokenModel()
+
+    def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
+        self.history.learn(frame.rank, frame.m, clean_mask)
+        self.tokens.learn(clean_mask)
+        self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
+
+
+def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
+    out = DetectorOutput()
+    n = frame.n
+    if n == 0:
+        return out
+    idx = state.peers.get(frame.group)
+    nan = np.full(n, np.nan)
+    x = np.stack([frame.m.get(name, nan) for name in cfg.metrics])
+    c = peer_consensus(idx, x)
+    out.scores = c.scores(cfg.metrics)
+    floor = cfg.min_excess_s
+    few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
+    win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
+    with np.errstate(invalid="ignore"):
+        slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
+        if slow.any():
+            slow &= (x > cfg.min_ratio * c.median) & (x - c.median > floor)
+        single = ((c.count == 1) & np.isfinite(x)) if few else np.zeros_like(slow)
+        if slow.any() or few:  # the step floor costs a median
+            floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
+            slow &= x - c.median > floor
+        if win is not None and win.per_token:  # slow for its batch (own floors), and a
+            slow[cfg.metrics.index(cfg.window_metric)] = win.step_hit  # long batch is not
+        elif win is not None and win.step_hit.any():
+            slow[cfg.metrics.index(cfg.window_metric)] |= win.step_hit
+        hit = slow & strict_majority(idx, slow, c.count) if slow.any() else slow
+        pair = np.zeros_like(hit)
+        if few and (c.count == 2).any():
+            low = group_min(idx, x)
+            pair = (c.count == 2) & (x > cfg.min_ratio * low) & (x - low > floor)
+            # two peers cannot outvote each other; the slower one must at least be slow
+            # for itself too, or it is only the job's noise
+            for i, rows in ((i, np.flatnonzero(pair[i])) for i in range(len(cfg.metrics))):
+                if rows.size:
+                    limit, _ = state.history.slow_limit(
+                        frame.rank[rows],
+                        cfg.metrics[i],
+                        ratio=cfg.history_ratio,
+                        k_sigma=cfg.history_k_sigma,
+                        min_count=cfg.history_min_steps,
+                    )
+                    pair[i, rows] = x[i, rows] > limit
+        for i in np.flatnonzero(single.any(axis=1)):
+            rows = np.flatnonzero(single[i])
+            limit, hmed = state.history.slow_limit(
+                frame.rank[rows],
+                cfg.metrics[i],
+                ratio=cfg.history_ratio,
+                k_sigma=cfg.history_k_sigma,
+                min_count=cfg.history_min_steps,
+            )
+            s = (x[i, rows] > limit) & (x[i, rows] - hmed > floor)
+            if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
+                hit[i, rows] |= s
+    dev = hit.any(axis=0)
+    if dev.any() or state.streaks.open():  # else nothing to advance or reset
+        strong = _strong(hit, win, cfg)
+        confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
+        if win is not None and confirmed.any():  # the window holds it from now on
+            state.window.hold(frame.rank[confirmed])
+        for row in np.flatnonzero(confirmed):
+            out.signals.append(
+                _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]), win)
+            )
+    else:
+        state.streaks.idle(n)
+    if win is not None:
+        said = {s.ranks[0] for s in out.signals}
+        for row in np.flatnonzero(win.hit):
+            if int(frame.rank[row]) not in said:
+                out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
+    pair_any = pair.any(axis=0)
+    if not (pair_any.any() or state.pair_streak.count.any()):
+        return out
+    pprev = state.pair_streak.peek(frame.rank)
+    pstreak = state.pair_streak.update(frame.rank, pair_any, leaky=True)
+    pneed = required_streak(state.pair_rate, pprev, pair_any, n, cfg)
+    done: set[int] = set()
+    for row in np.flatnonzero(pair_any & (pstreak >= pneed)):
+        members = idx.peers_of(int(row))
+        key = int(idx.row_gid[row])
+        if key in done:
+            continue
+        done.add(key)
+        i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
+        out.signals.append(
+            Signal(
+                kind="straggler",
+                ranks=tuple(int(r) for r in frame.rank[members]),
+                detector=NAME,
+                score=float(x[i, row] / c.median[i, row]),
+                severity="transient",
+                evidence=metric_evidence(
+                    cfg.metrics[i],
+                    x[i, row],
+                    c.median[i, row],
+                    x[i, members],
+                    slower_rank=int(frame.rank[row]),
+                    reason="two peers disagree; no majority to attribute",
+                ),
+                unattributed=True,
+            )
+        )
+    return out
+
+
+def _strong(hit, win, cfg) -> np.ndarray:
+    """Per metric and row: a slow step far out on a calibrated scale.
+
+    Only the windowed metric's per-step z counts: it is in units of the
+    group's spread learnt over many clean steps, and its tail is what the
+    chance rate measures. A raw peer z of one step uses that step's MAD, which
+    for a near-constant metric (input waits of a fraction of a millisecond)
+    makes every hiccup look 100 sigmas out.
+    """
+    strong = np.zeros_like(hit)
+    if win is not None and win.step_hit.any():
+        i = cfg.metrics.index(cfg.window_metric)
+        with np.errstate(invalid="ignore"):
+            strong[i] = hit[i] & win.step_hit & (win.step_z > cfg.strong_z)
+    return strong
+
+
+def _expected(win, row: int, value: float, ratio: float) -> dict:
+    """Evidence of a per-step token-aware hit: the rule and what the peers predicted."""
+    return {"rule": "step_expected", "per_token": win.per_token, "expected_s": num(value / ratio)}
+
+
+def _signal(frame, idx, c, hit, row, state, cfg, streak, win) -> Signal:
+    """Signal for one confirmed slow row, on its most deviating metric."""
+    ratio = np.where(hit[:, row], c.x[:, row] / c.median[:, row], -np.inf)
+    tokens = win is not None and bool(win.step_hit[row])
+    if tokens:  # slow for its batch: the ratio that counts is to what its peers predict
+        ratio[cfg.metrics.index(cfg.window_metric)] = win.step_ratio[row]
+    peerless = not np.isfinite(ratio).any() or np.all(c.count[:, row] == 1)
+    i = int(np.argmax(ratio)) if not peerless else int(np.flatnonzero(hit[:, row])[0])
+    metric = cfg.metrics[i]
+    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], metric)
+    peers = idx.peers_of(row)
+    peers = peers[peers != row]
+    value = c.x[i, row]
+    by_tokens = tokens and metric == cfg.window_metric
+    rel = value / hmed[0] if peerless else value / c.median[i, row]
+    if by_tokens:
+        rel = win.step_ratio[row]
+    if peerless:
+        score = float(value / hmed[0]) if hmed[0] > 0 else 0.0
+    else:
+        score = float(min(win.step_z[row] if by_tokens else c.z[i, row], Z_CAP))
+    gpu = gpu_context(frame, row)  # a throttling GPU behind the slowness shows here
+    return Signal(
+        kind="straggler",
+        ranks=(int(frame.rank[row]),),
+        detector=NAME,
+        score=score,
+        severity="persistent",
+        evidence=metric_evidence(
+            metric,
+            value,
+            c.median[i, row],
+            c.x[i, peers],
+            history_median=hmed[0],
+            z=win.step_z[row] if by_tokens else c.z[i, row],
+            ratio=num(rel),
+            slow_metrics=[cfg.metrics[j] for j in np.flatnonzero(hit[:, row])],
+            streak_steps=streak,
+            **(_expected(win, row, value, rel) if by_tokens else {}),
+            **({"gpu": gpu} if gpu else {}),
+        ),
+    )
+
+
+CONFIG = StragglerConfig
+STATE = StragglerState

@@ -1,0 +1,1 @@
+"""Equality votes among replicas that must agree exactly (digests, reduced norms, checks)."""

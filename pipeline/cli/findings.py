@@ -1,0 +1,51 @@
+"""`rankscope findings [--db PATH] [--job J] [--json]`: list the findings in a store."""
+
+from __future__ import annotations
+
+import sys
+
+import orjson
+from rankscope.pipeline.cli.errors import CliError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "findings",
+        help="list stored findings",
+        description="List the findings stored by `rankscope replay --db` or `rankscope serve`.",
+    )
+    p.add_argument("--db", default="rankscope.duckdb", metavar="PATH", help="DuckDB store")
+    p.add_argument("--job", metavar="J", help="only this job")
+    p.add_argument("--kind", metavar="K", help="only this fault kind")
+    p.add_argument("--json", action="store_true", help="one finding per line as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rankscope.pipeline.cli.tables import FINDING_HEADER, findings_rows, render_table
+    from rankscope.pipeline.store import Store, StoreError
+
+    try:
+        with Store(args.db, read_only=True) as store:
+            findings = store.list_findings(job=args.job, kind=args.kind)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        out = sys.stdout.buffer
+        for f in findings:
+            f = dict(f)
+            if not f.get("unattributed"):
+                f.pop("unattributed", None)
+            if f.get("triage") is None:
+                f.pop("triage", None)
+            out.write(orjson.dumps(f) + b"\n")
+        out.flush()
+        return 0
+    if not findings:
+        print("no findings" + (f" for job {args.job!r}" if args.job else ""))
+        return 0
+    header = FINDING_HEADER + ("triage",)
+    rows = [r + (f.get("triage") or "",) for r, f in zip(findings_rows(findings), findings,
+                                                         strict=True)]  # fmt: skip
+    print(render_table(header, rows))
+    return 0

@@ -1,0 +1,1 @@
+"""Records in, findings out: step assembly, the detector engine, incidents, actions."""

@@ -1,0 +1,257 @@
+"""Per-step signals -> incidents -> findings.
+
+Detectors speak once per step; people want one line per fault. An incident
+collects consecutive signals of one kind on the same ranks: a signal joins
+an open incident of its kind with exactly its ranks, else one whose ranks
+overlap (a fault flickering between "ranks 3 and 5" and "rank 3" is still one
+incident), else it opens a new one. An incident closes when
+``merge_gap_steps`` steps pass without a signal; a later signal then opens a
+new incident (and a new finding).
+
+Onset: detectors that need persistence report on the confirming step and
+say how long the streak is (``evidence["streak_steps"]``) or name the onset
+(``evidence["onset_step"]``); ``first_step`` is that onset, ``detected_step``
+the step at which rankscope first reported the incident.
+
+Only incidents worth telling become findings: ones with a confirmed signal
+(severity other than ``transient``) and unattributed ones (reported, never
+blamed). Unconfirmed transient deviations stay in the score heatmap unless
+``report_transient`` is set. The action comes from ``rankscope.pipeline.engine.policy``; when
+an incident's action first becomes ``recover`` or ``evict`` the step and time
+are kept in ``evidence["actions"]`` (the store's ``actions`` table).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from rankscope.detectors.signal import Signal
+from rankscope.pipeline.engine.findings import Finding, finding_id, plain
+from rankscope.pipeline.engine.policy import SEVERITY_RANK, PolicyConfig, decide_action
+
+__all__ = ["IncidentTracker"]
+
+
+class _Incident:
+    __slots__ = (
+        "kind", "ranks", "first_ranks", "first_step", "last_step", "detected_step",
+        "detected_t", "score", "detector", "severity", "evidence", "unattributed",
+        "signals", "detectors", "reported", "fid", "actions",
+    )  # fmt: skip
+
+    def __init__(self, job: str, sig: Signal, step: int) -> None:
+        self.kind = sig.kind
+        self.ranks = set(int(r) for r in sig.ranks)
+        self.first_ranks = sorted(self.ranks)
+        self.first_step = _onset(sig, step)
+        self.last_step = step
+        self.detected_step = step
+        self.detected_t = float("nan")
+        self.score = float("-inf")
+        self.detector = sig.detector
+        self.severity = "transient"
+        self.evidence: dict = {}
+        self.unattributed = bool(sig.unattributed)
+        self.signals = 0
+        self.detectors: set[str] = set()
+        self.reported = False
+        self.actions: dict[str, dict] = {}  # action -> {"step", "t"} when first decided
+        self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
+
+
+def _onset(sig: Signal, step: int) -> int:
+    ev = sig.evidence or {}
+    onset = ev.get("onset_step")
+    if isinstance(onset, int | float) and onset == onset:
+        return min(int(onset), step)
+    streak = ev.get("streak_steps")
+    if isinstance(streak, int | float) and streak == streak and streak >= 1:
+        return step - int(streak) + 1
+    return step
+
+
+class IncidentTracker:
+    """Open and closed incidents of one job; ``update`` returns the findings it changed."""
+
+    def __init__(
+        self,
+        job: str,
+        policy: PolicyConfig,
+        *,
+        merge_gap_steps: int = 2,
+        report_transient: bool = False,
+    ) -> None:
+        self.job = job
+        self.policy = policy
+        self.merge_gap_steps = merge_gap_steps
+        self.report_transient = report_transient
+        self._open: list[_Incident] = []
+        self.findings: dict[str, Finding] = {}
+        self.host_sdc: Counter = Counter()
+
+    def _match(self, sig: Signal) -> _Incident | None:
+        ranks = set(int(r) for r in sig.ranks)
+        overlap = None
+        for inc in self._open:
+            if inc.kind != sig.kind or inc.unattributed != bool(sig.unattributed):
+                continue
+            if inc.ranks == ranks:
+                return inc
+            if overlap is None and inc.ranks & ranks:
+                overlap = inc
+        return overlap
+
+    def update(
+        self,
+        step: int,
+        t: float,
+        signals: Iterable[Signal],
+        hosts_of: Callable[[list[int]], list[str]],
+    ) -> list[Finding]:
+        """Fold one step's signals in; close incidents that went quiet; return changed findings."""
+        touched: dict[int, _Incident] = {}
+        ordered = sorted(signals, key=lambda s: (s.kind, sorted(s.ranks), s.detector))
+        for sig in ordered:
+            if not sig.ranks:
+                continue
+            inc = self._match(sig)
+            if inc is None:
+                inc = _Incident(self.job, sig, step)
+                self._open.append(inc)
+            self._absorb(inc, sig, step, t)
+            touched[id(inc)] = inc
+        out = []
+        for inc in touched.values():
+            f = self._finding(inc, hosts_of, step, t)
+            if f is not None:
+                out.append(f)
+        self._open = [i for i in self._open if step - i.last_step <= self.merge_gap_steps]
+        return out
+
+    def _absorb(self, inc: _Incident, sig: Signal, step: int, t: float) -> None:
+        inc.ranks.update(int(r) for r in sig.ranks)
+        inc.last_step = max(inc.last_step, step)
+        inc.signals += 1
+        inc.detectors.add(sig.detector)
+        score = float(sig.score) if sig.score == sig.score else float("-inf")
+        if score > inc.score:
+            inc.score = score
+        worse = SEVERITY_RANK.get(sig.severity, 0) > SEVERITY_RANK[inc.severity]
+        if worse:
+            inc.severity = sig.severity
+        reportable = inc.unattributed or inc.severity != "transient" or self.report_transient
+        if reportable and not inc.reported:
+            inc.reported = True
+            inc.detected_step = step
+            inc.detected_t = float(t)
+            inc.evidence = plain(sig.evidence or {})
+        elif not inc.evidence or (worse and not inc.reported):
+            inc.evidence = plain(sig.evidence or {})
+        else:
+            _merge_causes(inc.evidence, sig.evidence)
+
+    def _finding(self, inc: _Incident, hosts_of, step: int, t: float) -> Finding | None:
+        if not inc.reported:
+            return None
+        ranks = sorted(inc.ranks)
+        hosts = sorted(set(hosts_of(ranks)))
+        if inc.kind == "sdc" and inc.fid not in self.findings and not inc.unattributed:
+            self.host_sdc.update(hosts)
+        action = decide_action(
+            self.policy,
+            kind=inc.kind,
+            severity=inc.severity,
+            duration_steps=inc.last_step - inc.first_step + 1,
+            host_sdc_incidents=max((self.host_sdc[h] for h in hosts), default=0),
+            unattributed=inc.unattributed,
+        )
+        if action != "observe" and action not in inc.actions:
+            inc.actions[action] = {"step": step, "t": plain(float(t))}
+        evidence = dict(inc.evidence)
+        if inc.actions:
+            evidence["actions"] = {a: dict(v) for a, v in inc.actions.items()}
+        evidence["severity"] = inc.severity
+        evidence["signals"] = inc.signals
+        evidence["detectors"] = sorted(inc.detectors)
+        f = Finding(
+            job=self.job,
+            kind=inc.kind,
+            ranks=ranks,
+            hosts=hosts,
+            first_step=inc.first_step,
+            last_step=inc.last_step,
+            detected_step=inc.detected_step,
+            detected_t=inc.detected_t,
+            score=inc.score if inc.score != float("-inf") else 0.0,
+            detector=inc.detector,
+            action=action,
+            evidence=evidence,
+            finding_id=inc.fid,
+            unattributed=inc.unattributed,
+        )
+        self.findings[inc.fid] = f
+        return f
+
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def state_dict(self) -> dict:
+        """Open incidents and host SDC counts (findings themselves live in the store)."""
+        return {
+            "host_sdc": dict(self.host_sdc),
+            "open": [
+                {
+                    "kind": i.kind, "ranks": sorted(i.ranks), "first_ranks": i.first_ranks,
+                    "first_step": i.first_step, "last_step": i.last_step,
+                    "detected_step": i.detected_step, "detected_t": plain(i.detected_t),
+                    "score": plain(i.score), "detector": i.detector, "severity": i.severity,
+                    "evidence": i.evidence, "unattributed": i.unattributed,
+                    "signals": i.signals, "detectors": sorted(i.detectors),
+                    "reported": i.reported, "fid": i.fid, "actions": i.actions,
+                }
+                for i in self._open
+            ],
+        }  # fmt: skip
+
+    def load_state_dict(self, d: dict) -> None:
+        self.host_sdc = Counter(d.get("host_sdc", {}))
+        self._open = []
+        for s in d.get("open", []):
+            sig = Signal(kind=s["kind"], ranks=tuple(s["first_ranks"]), detector=s["detector"],
+                         score=0.0, unattributed=s["unattributed"])  # fmt: skip
+            inc = _Incident(self.job, sig, s["first_step"])
+            inc.ranks = set(s["ranks"])
+            inc.last_step = s["last_step"]
+            inc.detected_step = s["detected_step"]
+            dt = s.get("detected_t")
+            inc.detected_t = float(dt) if dt is not None else float("nan")
+            sc = s.get("score")
+            inc.score = float(sc) if sc is not None else float("-inf")
+            inc.severity = s["severity"]
+            inc.evidence = s.get("evidence", {})
+            inc.signals = s.get("signals", 0)
+            inc.detectors = set(s.get("detectors", []))
+            inc.reported = s.get("reported", False)
+            inc.actions = dict(s.get("actions", {}))
+            inc.fid = s["fid"]
+            self._open.append(inc)
+
+
+MAX_CAUSES = 20
+
+
+def _merge_causes(into: dict, ev: dict | None) -> None:
+    """Keep every distinct cause an incident showed (a throttling GPU that later
+    reports an XID is one incident whose evidence names both), at most 20."""
+    new = (ev or {}).get("causes")
+    if not new:
+        return
+    have = into.setdefault("causes", [])
+    seen = {repr(sorted(c.items())) for c in have if isinstance(c, dict)}
+    for c in plain(new):
+        key = repr(sorted(c.items())) if isinstance(c, dict) else repr(c)
+        if key not in seen and len(have) < MAX_CAUSES:
+            have.append(c)
+            seen.add(key)
+

@@ -1,0 +1,74 @@
+"""What the step assembler keeps per job and per open step (``rankscope.pipeline.engine.assemble``).
+
+An open step holds its records as they came: dicts from the record path (sealed
+into one column chunk when the step is built or when a columnar batch follows
+them, so arrival order holds) and column chunks from the columnar paths, plus
+one flag byte a rank, so counting, duplicates and missing ranks are array
+operations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+
+import numpy as np
+from rankscope.pipeline.engine.columns import PeerGroups, chunk_from_records
+from rankscope.pipeline.engine.gpu_join import GpuJoin
+
+__all__ = ["Pending", "JobBuffer"]
+
+
+class Pending:
+    """The records of one step seen so far."""
+
+    __slots__ = ("step", "opened", "flags", "seen", "count", "chunks", "recs", "checks")
+
+    def __init__(self, step: int, opened: float, world: int) -> None:
+        self.step = step
+        self.opened = opened
+        # one byte per rank; a bytearray is fast to index from Python (dict path) and
+        # ``seen`` is a numpy view of the same memory for whole-array marks (columnar path)
+        self.flags = bytearray(world)
+        self.seen = np.frombuffer(self.flags, dtype=bool)
+        self.count = 0
+        self.chunks: list[dict] = []
+        self.recs: list[dict] = []
+        self.checks: list[dict] = []
+
+    def grow(self, world: int) -> None:
+        if len(self.flags) < world:
+            self.flags = self.flags + bytearray(world - len(self.flags))
+            self.seen = np.frombuffer(self.flags, dtype=bool)
+
+    def mark(self, ranks: np.ndarray, world: int) -> None:
+        self.grow(world)
+        self.seen[ranks] = True
+
+    def seal(self) -> None:
+        if self.recs:
+            self.chunks.append(chunk_from_records(self.recs))
+            self.recs = []
+
+
+class JobBuffer:
+    """One job: its open steps, clocks, recent step times, counters, GPU join and hosts."""
+
+    __slots__ = (
+        "name", "world", "pending", "last_emitted", "clock", "step_clock", "durations", "prev_t",
+        "stats", "gpu", "groups", "hosts",
+    )  # fmt: skip
+
+    def __init__(self, name: str, recent: int) -> None:
+        self.name = name
+        self.world = 0
+        self.pending: dict[int, Pending] = {}
+        self.last_emitted: int | None = None
+        self.clock = -math.inf  # latest t of any record (hang checks)
+        self.step_clock = -math.inf  # latest t of step/check records (step deadlines)
+        self.durations: deque[float] = deque(maxlen=recent)
+        self.prev_t = math.nan
+        self.stats: Counter = Counter()
+        self.gpu = GpuJoin()
+        self.groups = PeerGroups()
+        self.hosts = np.full(0, None, dtype=object)

@@ -1,0 +1,1 @@
+"""Foreign evidence as rankscope traces: PyTorch Flight Recorder dumps, read safely."""

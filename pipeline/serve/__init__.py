@@ -1,0 +1,1 @@
+"""``rankscope serve``: the online service over a Kafka consumer group."""

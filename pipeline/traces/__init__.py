@@ -1,0 +1,1 @@
+"""Trace files: reading and writing JSONL (plain or gzip) and Parquet."""

@@ -1,0 +1,254 @@
+"""Every dashboard view rendered with Streamlit's AppTest against a replayed store.
+
+The assertions read what the page carries (titles, metrics, tables, the data
+behind each chart, messages) and compare it with plain SQL over the same
+DuckDB file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+import pytest
+from rankscope.pipeline.store import Store
+from streamlit.testing.v1 import AppTest
+from support.dashboard_store import SDC_JOB, SYNTH_JOB, shared_demo_store
+from support.paths import DASHBOARD_APP
+
+APP = str(DASHBOARD_APP)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return shared_demo_store(tmp_path_factory)
+
+
+@pytest.fixture
+def db(built, tmp_path, monkeypatch):
+    """A private copy of the replayed store (tests may write triage into it)."""
+    path = tmp_path / "store.duckdb"
+    shutil.copy(built[0], path)
+    monkeypatch.setenv("RANKSCOPE_DB", str(path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # snapshot copies stay inside the test
+    return path
+
+
+def render(view: str, **state) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["view"] = view
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def sql(path: Path, query: str, params=()) -> list[tuple]:
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return con.execute(query, list(params)).fetchall()
+    finally:
+        con.close()
+
+
+def chart_data(at: AppTest, index: int = 0) -> list[pd.DataFrame]:
+    """The data sets behind one vega-lite chart on the page."""
+    proto = at.get("vega_lite_chart")[index].proto
+    return [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in proto.datasets]
+
+
+def test_jobs_view_shows_health_of_every_job(db, built):
+    at = render("Jobs")
+    assert at.title[0].value == "Jobs"
+    metrics = {m.label: m.value for m in at.metric}
+    n_jobs, n_findings = sql(db, "SELECT count(DISTINCT job), count(*) FROM findings")[0]
+    assert metrics["Jobs"] == str(len(sql(db, "SELECT job FROM jobs")))
+    assert metrics["Open findings"] == str(n_findings)
+    jobs = at.dataframe[0].value
+    assert set(built[1]["jobs"]) <= set(jobs["job"])
+    row = jobs.set_index("job").loc[SYNTH_JOB]
+    assert "straggler" in row["health"] and row["ranks"] == 8 and row["hosts"] == 2
+    last = sql(db, "SELECT last_step FROM jobs WHERE job = ?", [SYNTH_JOB])[0][0]
+    assert row["last_step"] == last
+    latest = at.table[0].value
+    newest = sql(db, "SELECT finding_id FROM findings "
+                     "ORDER BY detected_t DESC, finding_id LIMIT 20")
+    assert list(latest["finding"]) == [r[0] for r in newest]
+
+
+def test_findings_view_filters_and_plots_on_a_step_axis(db):
+    at = render("Findings", job=SYNTH_JOB)
+    n = sql(db, "SELECT count(*) FROM findings WHERE job = ?", [SYNTH_JOB])[0][0]
+    assert at.title[0].value == f"Findings of {SYNTH_JOB}"
+    assert at.caption[0].value == f"{n} findings match."
+    points = chart_data(at)[0]
+    assert len(points) == n and set(points["kind"]) == {
+        r[0] for r in sql(db, "SELECT kind FROM findings WHERE job = ?", [SYNTH_JOB])}
+    assert {"first_step", "step_end", "detected_step"} <= set(points)
+    assert len(at.dataframe[0].value) == n
+    assert at.get("download_button")[0].label.startswith("Export")
+    at.multiselect(key="f_kind").set_value(["straggler"]).run()
+    table = at.dataframe[0].value
+    assert set(table["kind"]) == {"straggler"} and (table["ranks"] == "5").all()
+    at.multiselect(key="f_rank").set_value([5]).run()
+    assert len(at.dataframe[0].value) == len(table)
+    at.multiselect(key="f_triage").set_value(["resolved"]).run()
+    assert at.info[0].value == "No findings match these filters."
+
+
+def test_findings_view_opens_a_finding_detail(db):
+    at = render("Findings", job=SDC_JOB)
+    fid = sql(db, "SELECT finding_id FROM findings WHERE job = ? AND kind = 'sdc'", [SDC_JOB])[0][0]
+    at.selectbox(key="pick_finding").set_value(fid)
+    at.button(key="open_detail").click().run()
+    assert at.session_state["view"] == "Finding"
+    assert at.header[0].value == "sdc on ranks 2"
+
+
+def test_heatmap_view_shows_binned_scores_with_the_straggler_hottest(db):
+    at = render("Heatmap", job=SYNTH_JOB)
+    assert at.selectbox(key="hm_metric").value == "compute_s"
+    cells = chart_data(at)[0]
+    n_ranks, n_steps = sql(db, "SELECT max(rank) + 1, max(step) + 1 FROM scores WHERE job = ? "
+                               "AND metric = 'compute_s'", [SYNTH_JOB])[0]  # fmt: skip
+    assert len(cells) == n_ranks * n_steps  # small job: drawn at full resolution
+    hot = cells.loc[cells["score"].idxmax()]
+    assert hot["rank_lo"] == 5 and hot["step_lo"] >= 20
+    assert "8 ranks x 60 steps" in at.caption[0].value
+    assert at.table[0].value["rank"].iloc[0] == 5
+    at.slider(key="hm_steps").set_value((0, 19)).run()
+    early = chart_data(at)[0]
+    assert early["step_hi"].max() == 20 and early["score"].max() < 10
+
+
+def test_heatmap_downsamples_big_jobs_on_the_server(db, monkeypatch):
+    con = duckdb.connect(str(db))
+    con.execute(
+        "INSERT INTO scores SELECT 'wide', s * 4, 4, r, 'compute_s', "
+        "CASE WHEN r = 300 AND s >= 50 THEN 9.0 ELSE 0.1 END "
+        "FROM range(1024) t(r), range(250) u(s)"
+    )
+    con.execute("INSERT INTO jobs VALUES ('wide', 1024, 128, 999, 1000, 1.0, 'test')")
+    con.close()
+    at = render("Heatmap", job="wide")
+    cells = chart_data(at)[0]
+    assert len(cells) <= 128 * 200
+    assert "1024 ranks x 1000 steps drawn as 128 x 125 cells" in at.caption[0].value
+    hot = cells[cells["score"] > 5]
+    assert ((hot["rank_lo"] <= 300) & (hot["rank_hi"] > 300)).all() and hot["step_lo"].min() == 200
+
+
+def test_finding_view_shows_evidence_action_and_hosts(db):
+    fid, first, action = sql(
+        db, "SELECT finding_id, first_step, action FROM findings "
+        "WHERE job = ? AND kind = 'straggler'", [SYNTH_JOB])[0]  # fmt: skip
+    at = render("Finding", job=SYNTH_JOB, finding=fid)
+    assert at.header[0].value == "straggler on ranks 5"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["First step"] == str(first) and metrics["Action"] == action
+    hosts, acts = at.table[0].value, at.table[1].value
+    assert list(hosts["host"]) == ["gpuhost1"]
+    assert list(acts["action"]) == [r[0] for r in sql(
+        db, "SELECT action FROM actions WHERE finding_id = ? ORDER BY step", [fid])]
+    assert set(acts["delivered"]) == {"not delivered"}
+    strip = pd.concat(chart_data(at, 0))
+    assert {"rank 5", "peers", "peer median"} <= set(strip["who"])
+    assert strip.loc[strip["who"] == "rank 5", "value"].iloc[0] > strip.loc[
+        strip["who"] == "peers", "value"].max()  # fmt: skip
+    history = chart_data(at, 1)
+    assert any("rank 5" in set(d.get("rank", pd.Series(dtype=str))) for d in history)
+
+
+def test_host_view_lists_ranks_and_gpu_health(db):
+    at = render("Host", job=SYNTH_JOB, host="gpuhost1")
+    assert at.title[0].value == "Host gpuhost1"
+    assert list(at.table[0].value["rank"]) == [5]
+    n_gpu_findings = sql(db, "SELECT count(*) FROM findings WHERE job = ? AND kind = 'gpu'",
+                         [SYNTH_JOB])[0][0]  # fmt: skip
+    if n_gpu_findings:
+        events = at.table[1].value
+        assert "xid" in set(events["event"])
+    gpu_metrics = sql(db, "SELECT DISTINCT metric FROM scores WHERE job = ? AND metric LIKE "
+                          "'gpu\\_%' ESCAPE '\\' AND rank = 5", [SYNTH_JOB])  # fmt: skip
+    titles = [d.proto.spec for d in at.get("vega_lite_chart")]
+    for (m,) in gpu_metrics:
+        assert any(f"GPU {m[4:]}" in t for t in titles)
+    at = render("Host", job=SDC_JOB, host="sdchost0")
+    assert at.info[-1].value == "No GPU records for host sdchost0 in this store."
+
+
+def test_triage_is_stored_and_shown(db):
+    fid = sql(db, "SELECT finding_id FROM findings WHERE job = ?", [SDC_JOB])[0][0]
+    at = render("Triage", job=SDC_JOB, finding=fid)
+    at.radio(key=f"tri_status_{fid}").set_value("false_alarm")
+    at.text_area(key=f"tri_note_{fid}").input("digest bug in the collector, not the GPU")
+    at.button(key=f"tri_save_{fid}").click().run()
+    assert not at.exception
+    assert at.success[0].value == f"Saved: finding {fid} is false alarm."
+    assert sql(db, "SELECT status, note FROM triage WHERE finding_id = ?", [fid]) == [
+        ("false_alarm", "digest bug in the collector, not the GPU")]
+    assert at.table[0].value["status"].iloc[0] == "false_alarm"
+    at = render("Findings", job=SDC_JOB, f_triage=["false_alarm"])
+    assert list(at.dataframe[0].value["finding"]) == [fid]
+
+
+def test_missing_store_is_a_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKSCOPE_DB", str(tmp_path / "nope.duckdb"))
+    at = render("Jobs")
+    assert "No findings store at" in at.warning[0].value
+    assert not (tmp_path / "nope.duckdb").exists()  # reading never creates the file
+
+
+def test_empty_store_is_a_message(tmp_path, monkeypatch):
+    Store(tmp_path / "empty.duckdb").close()
+    monkeypatch.setenv("RANKSCOPE_DB", str(tmp_path / "empty.duckdb"))
+    at = render("Heatmap")
+    assert "is empty" in at.info[0].value
+
+
+def test_older_schema_is_a_message(tmp_path, monkeypatch):
+    path = tmp_path / "old.duckdb"
+    Store(path).close()
+    con = duckdb.connect(str(path))
+    con.execute("DELETE FROM schema_version")
+    con.close()
+    monkeypatch.setenv("RANKSCOPE_DB", str(path))
+    at = render("Jobs")
+    assert "schema version 0, older than" in at.error[0].value
+
+
+def test_foreign_duckdb_file_is_a_message(tmp_path, monkeypatch):
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE t (a INTEGER)")
+    con.close()
+    monkeypatch.setenv("RANKSCOPE_DB", str(path))
+    at = render("Jobs")
+    assert "not a rankscope findings store" in at.error[0].value
+    (tmp_path / "junk.duckdb").write_bytes(b"this is not a database" * 100)
+    monkeypatch.setenv("RANKSCOPE_DB", str(tmp_path / "junk.duckdb"))
+    at = render("Jobs")
+    assert "not a readable DuckDB database" in at.error[0].value or "cannot open" in at.error[
+        0].value  # fmt: skip
+
+
+def test_switching_jobs_drops_filters_that_no_longer_apply(db):
+    at = render("Findings", job=SYNTH_JOB, f_kind=["straggler"], f_host=["gpuhost1"])
+    assert set(at.dataframe[0].value["kind"]) == {"straggler"}
+    at.sidebar.selectbox(key="job").set_value(SDC_JOB).run()
+    assert not at.exception
+    assert at.multiselect(key="f_kind").value == [] and at.multiselect(key="f_host").value == []
+    n = sql(db, "SELECT count(*) FROM findings WHERE job = ?", [SDC_JOB])[0][0]
+    assert len(at.dataframe[0].value) == n and at.title[0].value == f"Findings of {SDC_JOB}"
+
+
+def test_damaged_store_is_a_message(db):
+    con = duckdb.connect(str(db))
+    con.execute("DROP TABLE scores")
+    con.close()
+    at = render("Heatmap", job=SYNTH_JOB)
+    assert "failed" in at.error[0].value and "scores" in at.error[0].value

@@ -1,0 +1,322 @@
+"""Network localization from per-collective waits, cascades, clock skew and comm_s alone."""
+
+from __future__ import annotations
+
+import numpy as np
+from rankscope.detectors.network import detector as network
+from rankscope.detectors.network.waits import collective_waits
+from support.synth import layout, make_frame
+from support.synth import run_detector as run
+
+BUCKETS = 3
+D = 0.05  # injected delay per all-reduce (s)
+
+
+def dp_step(lay, step, rng, delayed=None, slow_compute=None, skew=None, t0=True, jitter=0.0005,
+            delay=D):
+    """One DDP step: bucket k of every rank enters at T_k; delays push later buckets back."""
+    w = lay["rank"].shape[0]
+    base = 1.7e9 + step
+    compute = 0.3 * (1 + 0.01 * rng.standard_normal(w))
+    late = np.zeros(w)
+    if slow_compute is not None:
+        late[slow_compute] = 0.1
+        compute[slow_compute] += 0.1
+    colls = [[] for _ in range(w)]
+    comm = np.zeros(w)
+    for k in range(BUCKETS):
+        enter = base + 0.1 * (k + 1) * (1 + late / 0.3) + rng.exponential(jitter, w)
+        call = enter.copy()  # when the reduction really starts
+        if delayed is not None:
+            enter[delayed] += k * delay
+            call[delayed] = enter[delayed] + delay
+        done = call.max() + 0.002
+        for r in range(w):
+            rec = {"op": "allreduce", "group": "dp", "seq": step * BUCKETS + k,
+                   "s": float(done - enter[r])}
+            if t0:
+                rec["t0"] = float(enter[r] + (skew if skew is not None and r == 3 else 0.0))
+            colls[r].append(rec)
+        comm += done - enter
+    m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(w, 0.001)}
+    m["step_s"] = compute + comm + 0.001
+    return make_frame(lay, step, m, collectives=colls)
+
+
+def blamed(outs):
+    return [(i, s.ranks) for i, o in enumerate(outs) for s in o.signals if not s.unattributed]
+
+
+def test_delayed_allreduce_is_localized_from_t0_within_two_steps():
+    rng = np.random.default_rng(21)
+    lay = layout(4)
+    frames = [dp_step(lay, s, rng, delayed=2 if s >= 8 else None) for s in range(14)]
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {2}
+    assert got[0][0] == 9  # onset 8, persistence of two steps
+    ev = outs[9].signals[0].evidence
+    assert ev["rule"] == "last_arrival_or_shortest_wait" and ev["awaited_s"] > 0.03
+    assert outs[9].signals[0].kind == "network" and outs[9].signals[0].severity == "persistent"
+
+
+def test_shortest_wait_without_t0_localizes_too():
+    rng = np.random.default_rng(22)
+    lay = layout(6)
+    frames = [dp_step(lay, s, rng, delayed=4 if s >= 3 else None, t0=False) for s in range(8)]
+    outs, _ = run(network, frames)
+    assert {r for _, rs in blamed(outs) for r in rs} == {4}
+
+
+def test_compute_straggler_and_clock_skew_are_not_network_faults():
+    rng = np.random.default_rng(23)
+    lay = layout(4)
+    frames = [dp_step(lay, s, rng, slow_compute=1 if s >= 3 else None) for s in range(10)]
+    outs, _ = run(network, frames)
+    assert not blamed(outs)
+    frames = [dp_step(lay, s, rng, skew=0.02) for s in range(10)]
+    outs, _ = run(network, frames)
+    assert not blamed(outs)
+
+
+def test_cascade_through_pipeline_blames_the_root_not_the_victims():
+    """Rank 1 (stage 0) delays its dp all-reduce; rank 5 (stage 1) waits for it in p2p
+
+    and then arrives late to stage 1's all-reduce: rank 5 is a victim.
+    """
+    lay = layout(4, 1, 2)
+    w = 8
+    frames = []
+    for step in range(12):
+        t = 1.7e9 + step
+        colls = [[] for _ in range(w)]
+        fault = step >= 6  # after the job's arrival noise is known
+        enter = t + np.full(w, 0.1)
+        ready = enter.copy()
+        if fault:
+            ready[1] += 0.2
+        done0 = ready[:4].max() + 0.002
+        for r in range(4):  # rank 1 enters late (t0 stamped at the real call)
+            colls[r].append({"op": "allreduce", "group": "dp", "seq": step, "t0": ready[r],
+                             "s": done0 - ready[r]})
+        # stage 0 sends to stage 1 after its all-reduce; rank 5's recv waits for rank 1
+        for d in range(4):
+            src, dst = d, d + 4
+            send_t0 = done0 if fault and d == 1 else enter[src] + 0.01
+            recv_t0 = enter[dst] + 0.01
+            finish = max(send_t0, recv_t0) + 0.001
+            colls[src].append({"op": "send", "group": "pp", "seq": step, "t0": send_t0,
+                               "s": finish - send_t0})
+            colls[dst].append({"op": "recv", "group": "pp", "seq": step, "t0": recv_t0,
+                               "s": finish - recv_t0})
+        arrive1 = np.array([max(c[-1]["t0"] + c[-1]["s"], enter[4 + i]) + 0.05
+                            for i, c in enumerate(colls[4:])])
+        done1 = arrive1.max() + 0.002
+        for i in range(4):
+            colls[4 + i].append({"op": "allreduce", "group": "dp", "seq": step, "t0": arrive1[i],
+                                 "s": done1 - arrive1[i]})
+        comm = np.array([sum(c["s"] for c in cs) for cs in colls])
+        m = {"compute_s": np.full(w, 0.1), "comm_s": comm, "data_s": np.zeros(w),
+             "step_s": np.full(w, 0.5)}
+        frames.append(make_frame(lay, step, m, collectives=colls))
+    w5 = collective_waits(frames[7], floor_s=0.005)
+    assert w5.waited_s[5] > 0.1  # the victim's own wait gives it away
+    outs, _ = run(network, frames)
+    assert {r for _, rs in blamed(outs) for r in rs} == {1}
+
+
+def test_slow_link_found_by_cross_group_intersection():
+    """Nobody arrives late, but every collective through rank 1's link is slow."""
+    lay = layout(4, 1, 2)
+    w = 8
+    rng = np.random.default_rng(24)
+    frames = []
+    for step in range(14):
+        t = 1.7e9 + step
+        colls = [[] for _ in range(w)]
+        slow = step >= 8
+        for stage in range(2):
+            members = range(stage * 4, stage * 4 + 4)
+            dur = 0.02 * (4 if slow and stage == 0 else 1)
+            for r in members:
+                colls[r].append({"op": "allreduce", "group": "dp", "seq": step, "t0": t,
+                                 "s": dur + 0.0002 * rng.random()})
+        for d in range(4):
+            dur = 0.01 * (4 if slow and d == 1 else 1)
+            for r in (d, d + 4):
+                colls[r].append({"op": "send" if r < 4 else "recv", "group": "pp", "seq": step,
+                                 "t0": t + 0.05, "s": dur + 0.0002 * rng.random()})
+        comm = np.array([sum(c["s"] for c in cs) for cs in colls])
+        m = {"compute_s": np.full(w, 0.2), "comm_s": comm, "data_s": np.zeros(w),
+             "step_s": 0.2 + comm}
+        frames.append(make_frame(lay, step, m, collectives=colls))
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {1}
+    assert got[0][0] == 9
+    assert outs[9].signals[0].evidence["rule"] == "cross_group_intersection"
+
+
+def test_comm_s_alone_finds_the_awaited_rank_unless_compute_explains_it():
+    rng = np.random.default_rng(25)
+    lay = layout(8)
+    frames = []
+    for step in range(8):
+        comm = 0.02 + 0.002 * rng.random(8)
+        compute = 0.3 * (1 + 0.01 * rng.standard_normal(8))
+        if step >= 3:
+            comm += 0.1
+            comm[6] -= 0.1
+        frames.append(make_frame(lay, step, {"comm_s": comm, "compute_s": compute,
+                                             "step_s": comm + compute}))
+    outs, _ = run(network, frames)
+    assert {r for _, rs in blamed(outs) for r in rs} == {6}
+    for f in frames[3:]:
+        f.m["compute_s"][6] += 0.1
+    outs, _ = run(network, frames)
+    assert not blamed(outs)
+
+
+def test_quiet_large_job_and_bad_input():
+    rng = np.random.default_rng(26)
+    lay = layout(16, 2, 4)  # 128 ranks: above always_below_rows, collectives left alone
+    w = lay["rank"].shape[0]
+    frames = []
+    for step in range(6):
+        comm = 0.05 + 0.002 * rng.random(w)
+        if step == 3:
+            comm[:] = np.nan
+        frames.append(make_frame(lay, step, {"comm_s": comm, "compute_s": np.full(w, 0.3)},
+                                 collectives=[[{"group": "dp"}]] * w))  # malformed entries
+    frames.append(make_frame(lay, 6, {}, rows=np.array([], dtype=np.int64)))
+    outs, state = run(network, frames)
+    assert not any(o.signals for o in outs)
+    assert set(outs[0].scores) == {"comm_s"}
+    restored = network.NetworkState(network.NetworkConfig())
+    restored.load_state_dict(state.state_dict())
+    assert restored.state_dict() == state.state_dict()
+
+
+def test_noisy_arrivals_are_not_blamed_but_a_large_delay_is():
+    rng = np.random.default_rng(27)
+    lay = layout(4)
+    frames = [dp_step(lay, s, rng, jitter=0.02) for s in range(80)]
+    outs, state = run(network, frames)
+    assert not blamed(outs)
+    assert np.median(state.gaps) > 0.005  # the job's arrival noise was learnt
+    frames = [dp_step(lay, s, rng, jitter=0.02, delayed=3 if s >= 40 else None, delay=0.3)
+              for s in range(50)]
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {3} and got[0][0] <= 43
+
+
+def test_large_job_opens_the_collective_analysis_when_comm_looks_wrong():
+    rng = np.random.default_rng(28)
+    lay = layout(16, 2, 4)  # 128 ranks, above always_below_rows
+    frames = [dp_step(lay, s, rng, delayed=100 if s >= 6 else None) for s in range(9)]
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {100} and got[0][0] == 7
+
+
+def hook_delay_steps(steps, rng, delayed=None, onset=0, skew_rank=None, skew=0.05):
+    """One bucket per step, t0 stamped before the user's hook (as the collector does):
+
+    the delay hides inside the delayed rank's own s, so only arrival ORDER tells.
+    """
+    lay = layout(8)
+    frames = []
+    for step in range(steps):
+        t0 = 1.7e9 + step + rng.exponential(0.02, 8)
+        call = t0.copy()
+        if delayed is not None and step >= onset:
+            t0[delayed] += rng.uniform(0.0, 0.06)  # the previous delay pushes it back
+            call[delayed] = t0[delayed] + 0.03
+        done = call.max() + 0.002
+        stamp = t0 + (skew if skew_rank is not None else 0) * (np.arange(8) == skew_rank)
+        colls = [[{"op": "allreduce", "group": "dp", "seq": step, "t0": float(stamp[r]),
+                   "s": float(done - t0[r])}] for r in range(8)]
+        comm = done - t0
+        m = {"compute_s": np.full(8, 0.1) * (1 + 0.05 * rng.random(8)), "comm_s": comm,
+             "step_s": 0.2 + comm}
+        frames.append(make_frame(lay, step, m, collectives=colls))
+    return frames
+
+
+def test_rank_that_keeps_arriving_last_is_found_by_counting():
+    rng = np.random.default_rng(29)
+    outs, state = run(network, hook_delay_steps(120, rng, delayed=6, onset=60))
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {6}
+    assert 60 < got[0][0] <= 85
+    sig = next(s for o in outs for s in o.signals)
+    # the windowed residual lateness or the count names it (the step's shortest wait
+    # may label the evidence when the root also waited least that step)
+    assert sig.evidence["rule"] in (
+        "late_arrival_window", "persistent_last_arrival", "last_arrival_or_shortest_wait"
+    )
+
+
+def test_fair_turns_and_a_skewed_clock_are_not_blamed():
+    rng = np.random.default_rng(30)
+    outs, _ = run(network, hook_delay_steps(150, rng))
+    assert not blamed(outs)
+    outs, _ = run(network, hook_delay_steps(150, rng, skew_rank=3))  # clock 50 ms ahead
+    assert not blamed(outs)
+
+
+def start_delay_steps(steps, rng, delayed=None, onset=40, habit=None, slow_compute=None,
+                      until=None):
+    """One all-reduce per step; entry = start jitter + own compute (+ a late start).
+
+    ``delayed``: from ``onset`` the rank starts 30 ms late (its previous all-reduce
+    completed late: a slow link); ``habit``: a rank that always starts 10 ms late;
+    ``slow_compute``: a rank whose compute is 1.5x from ``onset`` (a straggler);
+    ``until``: the last delayed step.
+    """
+    lay = layout(8)
+    frames = []
+    for step in range(steps):
+        compute = 0.1 * rng.uniform(0.6, 1.4, 8)
+        if slow_compute is not None and step >= onset:
+            compute[slow_compute] *= 1.5
+        start = 1.7e9 + step + rng.exponential(0.004, 8)
+        if habit is not None:
+            start[habit] += 0.010
+        if delayed is not None and step >= onset and (until is None or step <= until):
+            start[delayed] += 0.030
+        t0 = start + compute
+        done = t0.max() + 0.002
+        colls = [[{"op": "allreduce", "group": "dp", "seq": step, "t0": float(t0[r]),
+                   "s": float(done - t0[r])}] for r in range(8)]
+        m = {"compute_s": compute, "comm_s": done - t0, "data_s": np.full(8, 0.0005)}
+        m["step_s"] = done - start + 0.0005
+        frames.append(make_frame(lay, step, m, collectives=colls))
+    return frames
+
+
+def test_late_start_not_explained_by_compute_is_found_in_a_few_steps():
+    rng = np.random.default_rng(41)
+    outs, _ = run(network, start_delay_steps(90, rng, delayed=6))
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {6}
+    assert 40 <= got[0][0] <= 48  # compute noise +-40 % hides it from single steps
+
+
+def test_named_rank_is_released_a_few_steps_after_its_delay_ends():
+    # The longest window still averages the delayed steps for ~30 steps after
+    # the end; "since when, until when" must follow the delay, not the window.
+    rng = np.random.default_rng(43)
+    outs, _ = run(network, start_delay_steps(130, rng, delayed=6, until=80))
+    got = blamed(outs)
+    assert {r for _, rs in got for r in rs} == {6}
+    assert 80 <= max(i for i, _ in got) <= 86
+
+
+def test_habitually_late_rank_and_compute_straggler_are_not_network_faults():
+    rng = np.random.default_rng(42)
+    outs, _ = run(network, start_delay_steps(120, rng, habit=2))
+    assert not blamed(outs)  # its usual lateness is learnt: only a change counts
+    outs, _ = run(network, start_delay_steps(120, rng, slow_compute=5))
+    assert not blamed(outs)  # late because of its own compute: the straggler detector's
