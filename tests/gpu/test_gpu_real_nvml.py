@@ -13,6 +13,7 @@ import pytest
 from rankscope.collectors.gpu.collector import GpuCollector, GpuCollectorConfig
 from rankscope.collectors.gpu.nvml import NvmlBackend, NvmlUnavailable
 from rankscope.collectors.schema.records import validate_record
+from support.sinks import ListSink
 
 pytestmark = pytest.mark.gpu
 
@@ -31,23 +32,9 @@ _COUNT, _WHY = _gpu_count()
 needs_gpu = pytest.mark.skipif(_COUNT == 0, reason=f"no NVIDIA GPU here: {_WHY or 'none found'}")
 
 
-class _Keep:
-    def __init__(self):
-        self.records = []
-
-    def send(self, records):
-        self.records.extend(records)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
 @needs_gpu
 def test_real_readings_are_sane():
-    sink = _Keep()
+    sink = ListSink()
     coll = GpuCollector("real", sink=sink, rank_map={0: 0})
     assert coll.open(), coll.notice
     recs = coll.collect()
@@ -71,7 +58,7 @@ def test_real_readings_are_sane():
 
 @needs_gpu
 def test_real_thread_samples_and_closes_promptly():
-    sink = _Keep()
+    sink = ListSink()
     cfg = GpuCollectorConfig(interval_s=0.25, counters_interval_s=1.0)
     coll = GpuCollector("real", sink=sink, config=cfg).start()
     time.sleep(1.3)

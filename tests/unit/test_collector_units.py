@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from rankscope.collectors.schema.records import validate_record
 from rankscope.collectors.sinks.embedded import iter_channel, register_channel, unregister_channel
 from rankscope.collectors.sinks.file import FileSink
 from rankscope.pipeline.traces.files import read_trace
+from support.sinks import FailingSink, StalledSink
 
 # ---------------------------------------------------------------- config
 
@@ -200,26 +200,6 @@ def test_embedded_sink_puts_batches_on_the_registered_channel():
 # ---------------------------------------------------------------- sender
 
 
-class _StalledSink:
-    """A sink whose send blocks until released: a hung network, a full disk."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.records: list[dict] = []
-
-    def send(self, records):
-        self.entered.set()
-        self.release.wait(60)
-        self.records.extend(records)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
 def _train(rc: RankCollector | None, model, opt, steps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -235,7 +215,7 @@ def _train(rc: RankCollector | None, model, opt, steps: int) -> None:
 def test_stalled_sink_never_stalls_the_loop_and_drops_are_counted():
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sink = _StalledSink()
+    sink = StalledSink()
     rc = RankCollector.attach(
         model,
         opt,
@@ -267,7 +247,7 @@ def test_stalled_sink_never_stalls_the_loop_and_drops_are_counted():
 
 
 def test_close_gives_up_on_a_sink_that_never_returns(caplog):
-    sink = _StalledSink()
+    sink = StalledSink()
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rc = RankCollector.attach(
@@ -287,26 +267,8 @@ def test_close_gives_up_on_a_sink_that_never_returns(caplog):
     sink.release.set()
 
 
-class _FailingSink:
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
-        self.records: list[dict] = []
-
-    def send(self, records):
-        if self.failures:
-            self.failures -= 1
-            raise ConnectionError("broker unreachable")
-        self.records.extend(records)
-
-    def flush(self):
-        raise OSError("flush failed")
-
-    def close(self):
-        pass
-
-
 def test_sink_errors_are_logged_once_counted_and_never_raised(caplog):
-    sink = _FailingSink(failures=3)
+    sink = FailingSink(failures=3)
     sender = Sender(sink, queue_size=100, batch_max_records=1, flush_interval_s=0.01)
     with caplog.at_level(logging.WARNING, logger="rankscope.collectors"):
         for i in range(6):
@@ -321,7 +283,7 @@ def test_sink_errors_are_logged_once_counted_and_never_raised(caplog):
 
 
 def test_a_record_that_fails_to_build_loses_only_itself():
-    sink = _FailingSink(failures=0)
+    sink = FailingSink(failures=0)
     sender = Sender(sink, queue_size=10, batch_max_records=10, flush_interval_s=5)
     sender.put(lambda: 1 / 0)
     sender.put(_rec(7))

@@ -13,6 +13,7 @@ from rankscope.pipeline.cli import main
 from rankscope.pipeline.cli.collect_gpu import load_rank_map
 from rankscope.pipeline.traces.files import read_trace
 from support.fake_nvml import FakeNvml, install
+from support.sinks import NullSink
 
 FAST = GpuCollectorConfig(interval_s=0.05, counters_interval_s=0.05, event_wait_s=0.02,
                           flush_interval_s=0.05)
@@ -27,7 +28,8 @@ def test_cuda_index_maps_to_nvml_through_cuda_visible_devices():
 
 
 def test_uuid_selector_resolves_to_the_nvml_index():
-    coll = GpuCollector("j", sink=_Null(), devices=["GPU-scripted-0006"], rank=11, nvml=FakeNvml(8))
+    coll = GpuCollector("j", sink=NullSink(), devices=["GPU-scripted-0006"], rank=11,
+                        nvml=FakeNvml(8))
     assert coll.open() and coll.devices == [6]
     (rec,) = coll.collect()
     assert (rec["gpu"], rec["rank"]) == (6, 11)
@@ -72,25 +74,11 @@ def test_attach_without_driver_never_raises():
             host, rank = "h", 0
 
         sender = None
-        _sender = _Null()
+        _sender = NullSink()
 
     gc = attach_for_rank(RC(), nvml=FakeNvml(2, driver=False), env={})
     assert gc.ready.wait(5) and gc.idle
     gc.close()
-
-
-class _Null:
-    def send(self, records):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-    def put(self, rec):
-        pass
 
 
 # ---- rank map files ------------------------------------------------------------------

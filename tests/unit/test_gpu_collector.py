@@ -12,25 +12,10 @@ from rankscope.collectors.gpu.nvml import NVML_FUNCTIONS, NvmlBackend, clock_eve
 from rankscope.collectors.schema.records import validate_record
 from rankscope.collectors.sinks.embedded import register_channel, unregister_channel
 from support.fake_nvml import FakeNvml, install
+from support.sinks import ListSink
 
 FAST = GpuCollectorConfig(interval_s=0.05, counters_interval_s=0.05, event_wait_s=0.02,
                           flush_interval_s=0.05, close_timeout_s=2.0)
-
-
-class ListSink:
-    """A sink object that keeps what it was sent (the sender calls it from its thread)."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def send(self, records):
-        self.records.extend(records)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def wait_for(pred, timeout_s=5.0):
