@@ -30,6 +30,7 @@ __all__ = [
     "Collective",
     "SCHEMA",
     "COLLECTIVE_FIELDS",
+    "LIST_ITEMS",
     "validate_record",
     "validate_label",
     "record_key",
@@ -301,9 +302,25 @@ def _table(cls: type) -> dict[str, tuple[tuple[type, ...], bool]]:
     return out
 
 
+def _list_items(cls: type) -> dict[str, type]:
+    """name -> element type of each ``list[...]`` field (``collectives``: dict)."""
+    hints = get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        for arg in get_args(hints[f.name]):
+            if get_origin(arg) is list:
+                (item,) = get_args(arg)
+                out[f.name] = get_origin(item) or item
+    return out
+
+
 # kind -> field table: what every input lane validates against.
 SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     cls.KIND: _table(cls) for cls in (StepRecord, BeatRecord, GpuRecord, CheckRecord)
 }
 COLLECTIVE_FIELDS = _table(Collective)
+# kind -> list field -> element type (bounds checks need what a list holds)
+LIST_ITEMS: dict[str, dict[str, type]] = {
+    cls.KIND: _list_items(cls) for cls in (StepRecord, BeatRecord, GpuRecord, CheckRecord)
+}
 RECORD_TYPES = tuple(SCHEMA)

@@ -10,7 +10,11 @@ names and value types) once and then with one dictionary lookup a record,
 since one producer's records all share a shape. Anything else (a whole float
 in an int field that needs normalising, a malformed record) goes to
 ``validate_record``, which normalises it or says why it is unusable. The
-verdict is therefore always ``validate_record``'s.
+verdict is therefore always ``validate_record``'s, plus the bounds of
+``rankscope.pipeline.traces.validate`` (the one validation entry: the fast
+paths ask ``bounds_reason`` / ``columns_bounds_reason``, the slow path
+``check_record``). An array keeps its good records when an element is bad,
+even one that is no record at all.
 """
 
 from __future__ import annotations
@@ -19,15 +23,14 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 import numpy as np
-from rankscope.collectors.schema.records import (
-    COLLECTIVE_FIELDS,
-    PHASES,
-    SCHEMA,
-    RecordError,
-    validate_record,
-)
+from rankscope.collectors.schema.records import COLLECTIVE_FIELDS, PHASES, SCHEMA, RecordError
 from rankscope.pipeline.bus.kafka import decode_value
 from rankscope.pipeline.engine.columns import chunk_from_columns
+from rankscope.pipeline.traces.validate import (
+    bounds_reason,
+    check_record,
+    columns_bounds_reason,
+)
 
 __all__ = ["COLUMNS_MIN_RECORDS", "StepBatch", "check_fast", "decode_message", "decode_records",
            "uniform_columns"]  # fmt: skip
@@ -144,7 +147,9 @@ def check_fast(rec) -> bool:
     if kind == "beat" and rec["phase"] not in _PHASES:
         return False
     colls = rec.get("collectives")
-    return not colls or _colls_ok(colls)
+    if colls and not _colls_ok(colls):
+        return False
+    return bounds_reason(rec) is None
 
 
 def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
@@ -160,6 +165,8 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
     The lists are kept because the columnar path (``decode_message``) builds its
     arrays from them.
     """
+    if set(map(type, recs)) != {dict}:
+        return None
     first = recs[0]
     kind = first.get("type")
     table = _TABLES.get(kind) if type(kind) is str else None
@@ -181,6 +188,8 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
     if kind == "beat" and not set(cols["phase"]) <= _PHASES:
         return None
     if "collectives" in cols and not all(not c or _colls_ok(c) for c in cols["collectives"]):
+        return None
+    if columns_bounds_reason(kind, cols) is not None:
         return None
     return cols
 
@@ -211,12 +220,15 @@ def decode_message(value: bytes | None, good: list[dict], bad: list[tuple[int, s
     return None
 
 
-def _decode_into(recs: list[dict], good: list[dict], bad: list[tuple[int, str, dict]]) -> None:
-    if recs and uniform_columns(recs) is not None:
+def _decode_into(recs: list, good: list[dict], bad: list[tuple[int, str, dict]]) -> None:
+    if recs and type(recs[0]) is dict and uniform_columns(recs) is not None:
         good.extend(recs)
         return
     prev = None  # (keys, types) of the previous record that passed: arrays repeat one shape
     for i, rec in enumerate(recs):
+        if type(rec) is not dict:
+            bad.append((i, f"array element {i} is a {type(rec).__name__}, not a record", rec))
+            continue
         keys = tuple(rec)
         types = tuple(map(type, rec.values()))
         if (
@@ -227,6 +239,7 @@ def _decode_into(recs: list[dict], good: list[dict], bad: list[tuple[int, str, d
             and rec["v"] == 1
             and (prev[2] != "beat" or rec["phase"] in _PHASES)
             and (not rec.get("collectives") or _colls_ok(rec["collectives"]))
+            and bounds_reason(rec) is None
         ):
             good.append(rec)
             continue
@@ -235,6 +248,6 @@ def _decode_into(recs: list[dict], good: list[dict], bad: list[tuple[int, str, d
             prev = (keys, types, rec["type"])
             continue
         try:
-            good.append(validate_record(rec))
+            good.append(check_record(rec))
         except RecordError as exc:
             bad.append((i, str(exc), rec))

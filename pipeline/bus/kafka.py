@@ -32,6 +32,7 @@ import logging
 
 import orjson
 from rankscope.collectors.schema.kafka import TOPIC_KINDS, KafkaUrl
+from rankscope.pipeline.traces.validate import parse_json
 
 __all__ = ["KafkaBus", "encode_records", "decode_value"]
 
@@ -44,20 +45,20 @@ def encode_records(records: list[dict]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def decode_value(value: bytes | None) -> list[dict]:
-    """The records of one message value; raises ValueError saying what is wrong."""
+def decode_value(value: bytes | None) -> list:
+    """The elements of one message value (a record, or an array whose elements the
+    caller judges one by one, so one bad element costs only itself); raises ValueError
+    saying what is wrong with the value as a whole. ``NaN``/``Infinity`` tokens are
+    accepted (``rankscope.pipeline.traces.validate.parse_json``)."""
     if value is None:
         raise ValueError("empty message (null value)")
     try:
-        body = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
+        body = parse_json(value)
+    except ValueError as exc:
         raise ValueError(f"not JSON: {exc}") from None
     if isinstance(body, dict):
         return [body]
     if isinstance(body, list):
-        for i, rec in enumerate(body):
-            if not isinstance(rec, dict):
-                raise ValueError(f"array element {i} is a {type(rec).__name__}, not a record")
         return body
     raise ValueError(f"a JSON {type(body).__name__}, neither a record nor an array of records")
 

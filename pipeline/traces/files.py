@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from rankscope.collectors.schema.records import (
-    RecordError,
-    record_key,
-    validate_label,
-    validate_record,
-)
+from rankscope.collectors.schema.records import RecordError, record_key, validate_label
+from rankscope.pipeline.traces.validate import check_record, parse_json
 
 __all__ = [
     "BadLine",
@@ -101,7 +98,7 @@ def _open_text_lines(path: Path) -> Iterator[bytes]:
     with opener(path, "rb") as raw:
         try:
             yield from raw
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:  # truncated: keep what was read
+        except (OSError, EOFError, zlib.error) as exc:  # truncated or corrupt: keep what was read
             raise _Truncated(str(exc)) from exc
 
 
@@ -116,13 +113,8 @@ def _iter_jsonl(path: Path, report: ReadReport) -> Iterator[dict]:
             if not line.strip():
                 continue
             try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                report.add_error(str(path), lineno, f"bad JSON: {exc}")
-                continue
-            try:
-                rec = validate_record(obj)
-            except RecordError as exc:
+                rec = check_record(parse_json(line))
+            except ValueError as exc:  # bad JSON or a RecordError: the reason either way
                 report.add_error(str(path), lineno, str(exc))
                 continue
             report.good[rec["type"]] += 1
@@ -152,7 +144,7 @@ def _iter_parquet(path: Path, report: ReadReport) -> Iterator[dict]:
                         {k: v for k, v in c.items() if v is not None} for c in colls
                     ]
                 try:
-                    rec = validate_record(obj)
+                    rec = check_record(obj)
                 except RecordError as exc:
                     report.add_error(str(path), row, str(exc))
                     continue

@@ -10,13 +10,14 @@ import json
 import numpy as np
 import orjson
 import pytest
-from rankscope.collectors.schema.records import validate_record
+from rankscope.collectors.schema.records import RecordError
 from rankscope.pipeline.bus.decode import StepBatch, decode_message, decode_records
 from rankscope.pipeline.bus.kafka import encode_records
 from rankscope.pipeline.engine.columns import chunk_from_records
 from rankscope.pipeline.engine.engine import Engine
 from rankscope.pipeline.serve.db import ServeDb
 from rankscope.pipeline.serve.writer import ServeWriter, WriteJob
+from rankscope.pipeline.traces.validate import check_record
 from support.engine_synth import make_records
 from support.engine_synth import one_step_record as _step
 
@@ -25,13 +26,17 @@ def _messages(records, size):
     return [encode_records(records[i : i + size]) for i in range(0, len(records), size)]
 
 
-def _serve_like(values, engine):
-    """What ``Service._consume`` does with message values: columns when it can."""
+def _serve_like(values, engine, refused=None):
+    """What ``Service._consume`` does with message values: columns when it can.
+    ``refused`` collects the reasons of records the validation entry refused (else none may be)."""
     columns = 0
     for v in values:
         good, bad = [], []
         batch = decode_message(v, good, bad)
-        assert not bad
+        if refused is None:
+            assert not bad
+        else:
+            refused.extend(reason for _i, reason, _rec in bad)
         if batch is not None:
             columns += 1
             engine.feed_columns(batch.job, batch.step, batch.chunk)
@@ -39,6 +44,13 @@ def _serve_like(values, engine):
             engine.feed(good)
     engine.flush()
     return columns
+
+
+def _checked(rec):
+    try:
+        return check_record(rec)
+    except RecordError:
+        return None
 
 
 def _summary(engine):
@@ -61,17 +73,20 @@ def test_columns_give_the_records_findings_and_counters():
     records += [dict(b[-1]), dict(a[-1])]
 
     messages = _split_by_job(records, 40)
-    ref = Engine()  # the record path, message by message
+    ref = Engine()  # the record path, message by message, through the one validation entry
     for m in messages:
-        ref.feed([validate_record(copy.deepcopy(r)) for r in m])
+        ref.feed([r for r in (_checked(copy.deepcopy(r)) for r in m) if r is not None])
     ref.flush()
     eng = Engine()
-    columns = _serve_like([encode_records(m) for m in messages], eng)
+    refused: list[str] = []
+    columns = _serve_like([encode_records(m) for m in messages], eng, refused)
     assert columns > 10  # the columnar path really ran
     assert _summary(eng) == _summary(ref)
     assert {f[1] for f in _summary(eng)[0]} == {"straggler", "sdc"}
     counters = _summary(eng)[1]["col-a"]
-    assert (counters["duplicates"], counters["late"], counters["refused"]) == (8, 18, 1)
+    # the rank outside the world is refused by validation now, before the assembler sees it
+    assert refused == ["rank 99 outside 0..15"]
+    assert (counters["duplicates"], counters["late"], counters.get("refused", 0)) == (8, 18, 0)
     ref_scores, scores = ref.drain_scores(final=True), eng.drain_scores(final=True)
     assert len(scores) == len(ref_scores)
     for got, want in zip(scores, ref_scores, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import orjson
@@ -20,13 +21,13 @@ from rankscope.collectors.schema.control import (
     sign,
 )
 from rankscope.collectors.schema.kafka import KafkaUrl
-from rankscope.collectors.schema.records import validate_record
 from rankscope.collectors.sinks.kafka import KafkaSink, KafkaSinkConfig
 from rankscope.pipeline.bus.decode import check_fast, decode_records
 from rankscope.pipeline.bus.kafka import decode_value, encode_records
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.serve.control import ControlAnnouncer, control_message
 from rankscope.pipeline.serve.loop import ServeConfig
+from rankscope.pipeline.traces.validate import check_record
 from support.engine_synth import one_step_record as _step
 
 SECRET = b"unit-test-secret-0123456789"
@@ -292,16 +293,20 @@ def test_listener_config_checks():
 def test_values_are_one_record_or_an_array():
     assert decode_value(encode_records([_step()])) == [_step()]
     assert decode_value(encode_records([_step(), _step(rank=2)]))[1]["rank"] == 2
-    for bad, fragment in [(b"nope", "not JSON"), (b"3", "neither"), (b"[1]", "element 0"),
-                          (None, "null")]:  # fmt: skip
+    for bad, fragment in [(b"nope", "not JSON"), (b"3", "neither"), (None, "null")]:
         with pytest.raises(ValueError, match=fragment):
             decode_value(bad)
+    # an array's elements are judged one by one (a non-record costs only itself)
+    good, bad = [], []
+    decode_records(b"[1]", good, bad)
+    assert good == [] and bad[0][:2] == (0, "array element 0 is a int, not a record")
 
 
-def test_fast_check_agrees_with_validate_record():
+def test_fast_check_agrees_with_the_validation_entry():
+    # the verdict is the one validation entry's (schema and bounds), check_record
     variants = [_step()]
     for key in list(_step()):
-        for value in (None, "x", 1.5, 2.0, True, [], 7):
+        for value in (None, "x", 1.5, 2.0, True, [], 7, -1, 2**64 - 1, 10**30, 1e30, "x" * 5000):
             v = _step()
             v[key] = value
             variants.append(v)
@@ -316,14 +321,20 @@ def test_fast_check_agrees_with_validate_record():
                      "step": 3, "phase": "sleeping"})  # fmt: skip
     for v in variants * 2:  # the second pass answers from the shape cache
         try:
-            validate_record(copy.deepcopy(v))
+            check_record(copy.deepcopy(v))
             valid = True
         except ValueError:
             valid = False
         if check_fast(copy.deepcopy(v)):
             assert valid, v
         good, bad = [], []  # the same verdicts behind a valid record of the common shape
-        decode_records(orjson.dumps([_step(), v]), good, bad)
+        value = json.dumps([_step(), v]).encode()  # 10**30 too (orjson can't write it)
+        try:  # the verdict on what the wire holds (orjson reads 10**30 as a float)
+            check_record(orjson.loads(value)[1])
+            valid = True
+        except ValueError:
+            valid = False
+        decode_records(value, good, bad)
         assert len(good) == 1 + valid and len(bad) == 1 - valid, v
 
 
