@@ -15,7 +15,14 @@ service) the caller passes wall-clock ``now``.
 Robustness: duplicates collapse (the last record of a rank wins), records
 may arrive in any order (frames still come out in step order per job), a
 record for a step already emitted is counted as late and dropped (the step's
-detectors have run), and ranks outside ``0..world-1`` are refused.
+detectors have run), and ranks outside ``0..world-1`` are refused. Bounds
+that need the job's state (docs/trace-format.md, "Bounds"): a step more than
+``max_step_ahead`` past the job's current step waits to be confirmed by a
+majority of the job's ranks and is dropped (counted ``ahead``) otherwise, so
+one record cannot make every later step late; a ``t`` more than
+``max_t_ahead_s`` past the job's clock is refused (``t_ahead``); the world is
+the one the job's ranks vote for (``world_vote``), records claiming another
+are refused (``world_mismatch``).
 
 Two input paths share the buffers: ``add_records`` for online dicts and
 ``add_table`` for Arrow/Parquet batches (per-step column chunks cut with whole
@@ -36,7 +43,10 @@ from operator import itemgetter
 import numpy as np
 from rankscope.detectors.frame import StepFrame
 from rankscope.pipeline.engine.columns import build_frame, split_step_table
+from rankscope.pipeline.engine.job_bounds import far_ahead, t_ahead, t_far, too_many_far
 from rankscope.pipeline.engine.step_buffers import JobBuffer, Pending
+from rankscope.pipeline.engine.world_vote import WorldVote, keep_world
+from rankscope.pipeline.traces.validate import DEFAULT_MAX_WORLD
 
 __all__ = ["AssemblerConfig", "StepAssembler"]
 
@@ -59,8 +69,12 @@ class AssemblerConfig:
     """How many recent steps the median step time is taken over."""
     max_pending_steps: int = 64
     """More open steps than this and the oldest is built at once (bounds memory)."""
-    max_world: int = 1 << 20
+    max_world: int = DEFAULT_MAX_WORLD
     """Records claiming a larger world are refused (a corrupt record must not allocate GBs)."""
+    max_step_ahead: int = 100_000
+    """A step further than this past the job's current step is held to a majority of its ranks."""
+    max_t_ahead_s: float = 7 * 86_400.0
+    """A record whose ``t`` is further than this past the job's clock is refused."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -74,6 +88,10 @@ class AssemblerConfig:
             raise ValueError(f"max_pending_steps must be >= 1, got {self.max_pending_steps}")
         if self.max_world < 1:
             raise ValueError(f"max_world must be >= 1, got {self.max_world}")
+        if self.max_step_ahead < 1:
+            raise ValueError(f"max_step_ahead must be >= 1, got {self.max_step_ahead}")
+        if not self.max_t_ahead_s > 0:
+            raise ValueError(f"max_t_ahead_s must be > 0, got {self.max_t_ahead_s}")
 
 
 class StepAssembler:
@@ -96,12 +114,17 @@ class StepAssembler:
             j = self._jobs[name] = JobBuffer(name, self.cfg.recent_steps)
         return j
 
-    def _pending(self, j: JobBuffer, step: int, now: float) -> Pending | None:
+    def _pending(self, j: JobBuffer, step: int, now: float, n: int = 1) -> Pending | None:
+        """The open step ``step`` of ``j`` (opened when new); None, with its ``n`` records
+        counted as late, when the step is built already."""
         if j.last_emitted is not None and step <= j.last_emitted:
-            j.stats["late"] += 1
+            j.stats["late"] += n
             return None
         p = j.pending.get(step)
         if p is None:
+            if too_many_far(j, step, self.cfg.max_step_ahead):
+                j.stats["ahead"] += n
+                return None
             p = j.pending[step] = Pending(step, now, j.world)
         return p
 
@@ -123,6 +146,9 @@ class StepAssembler:
                 j = self._job(job)
                 step = p = None
             t = rec.get("t")
+            if t_ahead(j, t, self.cfg.max_t_ahead_s):
+                j.stats["t_ahead"] += 1
+                continue
             if t is not None and t > j.clock:
                 j.clock = float(t)
             if kind == "step":
@@ -132,7 +158,11 @@ class StepAssembler:
                 if not 0 <= rank < world or world > max_world:
                     j.stats["refused"] += 1
                     continue
-                j.world = world
+                if not j.vote.agrees(world):
+                    if not j.vote.add(world, (rank,)):
+                        j.stats["world_mismatch"] += 1
+                        continue
+                    j.world = j.vote.world
                 if rec["step"] != step or p is None:
                     step = rec["step"]
                     p = self._pending(j, int(step), now if wall else j.step_clock)
@@ -203,6 +233,12 @@ class StepAssembler:
     def _add_runs(self, j: JobBuffer, t, rank, world, step, now, wall: bool, put) -> None:
         """Runs of one step in arrival order: refuse, count, mark, then ``put`` the rows."""
         n = rank.size
+        t_ok = None
+        far = t_far(j, t, self.cfg.max_t_ahead_s)
+        if far is not None:
+                j.stats["t_ahead"] += int(np.count_nonzero(far))
+                t_ok = ~far
+                t = np.where(far, np.nan, t)  # refused rows never move the clocks
         # the job clocks after each record (NaN never advances them)
         step_clock = np.fmax.accumulate(np.concatenate(([j.step_clock], t)))
         latest = float(step_clock[-1])
@@ -210,9 +246,17 @@ class StepAssembler:
             j.clock = latest
         j.step_clock = latest
         ok = (rank >= 0) & (rank < world) & (world <= self.cfg.max_world)
+        refused = n - int(np.count_nonzero(ok))
+        if t_ok is not None:
+            ok &= t_ok
+        voted = j.vote.add_rows(world[ok], rank[ok]) if ok.any() else None
+        if voted is not None:
+            j.stats["world_mismatch"] += int(np.count_nonzero(~voted))
+            ok[np.flatnonzero(ok)[~voted]] = False
+        j.world = j.vote.world
         acc = np.flatnonzero(ok)
-        if acc.size < n:
-            j.stats["refused"] += n - acc.size
+        if refused:
+            j.stats["refused"] += refused
         if acc.size == 0:
             return
         s = step[acc]
@@ -221,11 +265,8 @@ class StepAssembler:
         whole = acc.size == n
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
             first = int(acc[a])
-            j.world = int(world[first])
-            p = self._pending(j, int(s[a]), now if wall else float(step_clock[first + 1]))
+            p = self._pending(j, int(s[a]), now if wall else float(step_clock[first + 1]), b - a)
             if p is None:
-                if b - a > 1:
-                    j.stats["late"] += b - a - 1  # _pending counted one
                 continue
             idx = acc[a:b]
             top = int(world[idx].max())
@@ -238,7 +279,6 @@ class StepAssembler:
                 j.stats["duplicates"] += b - a - (p.count - before)
             put(p, a, b, idx, whole)
             j.stats["records"] += b - a
-        j.world = int(world[acc[-1]])
 
     def add_table(self, table, now: float | None = None) -> list[tuple[int, str]]:
         """Take an Arrow table of ``step`` records; returns ``(row, reason)`` of refused rows.
@@ -251,14 +291,31 @@ class StepAssembler:
             now = time.time()
         for job, step, ch in chunks:
             j = self._job(job)
-            t_max = float(np.nanmax(ch["t"])) if ch["t"].size else -math.inf
+            keep = None
+            far = t_far(j, ch["t"], self.cfg.max_t_ahead_s)
+            if far is not None:
+                    j.stats["t_ahead"] += int(np.count_nonzero(far))
+                    keep = ~far
+            voted = j.vote.add_rows(ch["world"] if keep is None else ch["world"][keep],
+                                    ch["rank"] if keep is None else ch["rank"][keep])  # fmt: skip
+            if voted is not None:
+                j.stats["world_mismatch"] += int(np.count_nonzero(~voted))
+                if keep is None:
+                    keep = voted
+                else:
+                    keep[np.flatnonzero(keep)[~voted]] = False
+            if keep is not None:
+                ch = {k: (v[keep] if v is not None else None) for k, v in ch.items()}
+            j.world = j.vote.world
+            if ch["rank"].size == 0:
+                continue
+            with np.errstate(invalid="ignore"):
+                t_max = float(np.nanmax(ch["t"])) if not np.isnan(ch["t"]).all() else -math.inf
             j.clock = max(j.clock, t_max)
             j.step_clock = max(j.step_clock, t_max)
             world = int(ch["world"].max())
-            j.world = world
-            p = self._pending(j, step, now if wall else j.step_clock)
+            p = self._pending(j, step, now if wall else j.step_clock, ch["rank"].size)
             if p is None:
-                j.stats["late"] += ch["rank"].size - 1  # _pending counted one
                 continue
             before = p.count
             p.mark(ch["rank"], world)
@@ -299,6 +356,9 @@ class StepAssembler:
                     break
                 if crowded and not overdue and p.count < j.world:
                     j.stats["forced"] += 1
+                if far_ahead(j, p, self.cfg.max_step_ahead):  # one record must not move the step
+                    j.stats["ahead"] += j.pending.pop(step).count
+                    continue
                 frame = self._emit(j, j.pending.pop(step))
                 if frame is not None:
                     out.append(frame)
@@ -309,6 +369,9 @@ class StepAssembler:
         out = []
         for j in self._jobs.values():
             for step in sorted(j.pending):
+                if far_ahead(j, j.pending[step], self.cfg.max_step_ahead):
+                    j.stats["ahead"] += j.pending.pop(step).count
+                    continue
                 frame = self._emit(j, j.pending.pop(step))
                 if frame is not None:
                     out.append(frame)
@@ -317,11 +380,14 @@ class StepAssembler:
     def _emit(self, j: JobBuffer, p: Pending) -> StepFrame | None:
         j.last_emitted = p.step
         p.seal()
-        if not p.chunks:
+        world = j.world
+        chunks, seen, dropped = keep_world(p.chunks, p.seen, world)
+        if dropped:  # accepted while the world was unsettled, then outvoted
+            j.stats["world_mismatch"] += dropped
+        if not chunks:
             j.stats["empty_steps"] += 1
             return None
-        world = max(j.world, p.seen.size)
-        frame = build_frame(j.name, p.step, world, p.chunks, p.seen, j.groups)
+        frame = build_frame(j.name, p.step, world, chunks, seen, j.groups)
         frame.checks = p.checks
         if j.gpu.samples:
             j.gpu.learn_hosts(frame.rank, frame.host)
@@ -392,6 +458,7 @@ class StepAssembler:
         return {
             name: {
                 "world": j.world,
+                "world_settled": j.vote.settled,
                 "last_emitted": j.last_emitted,
                 "durations": list(j.durations),
                 "prev_t": j.prev_t if math.isfinite(j.prev_t) else None,
@@ -404,6 +471,7 @@ class StepAssembler:
         for name, s in d.items():
             j = self._job(name)
             j.world = int(s.get("world", 0))
+            j.vote = WorldVote(j.world, bool(s.get("world_settled", j.world > 0)))
             j.last_emitted = s.get("last_emitted")
             j.durations.extend(float(x) for x in s.get("durations", []))
             prev = s.get("prev_t")

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from rankscope.detectors.frame import COORD_NAMES, METRIC_COLUMNS, StepFrame
+from rankscope.pipeline.traces.validate import DEFAULT_LIMITS, Limits, array_rejects
 
 __all__ = [
     "REQUIRED_STEP_FIELDS",
@@ -213,9 +214,17 @@ def split_step_table(table, world_cap: int | None = None, cache: dict | None = N
         t = _floats(table.column("t"))
     except pa.ArrowException as exc:  # invalid, type or unsupported-cast errors alike
         raise ValueError(f"step table has a column of the wrong type: {exc}") from exc
-    reject((rank < 0) | (rank >= world), "rank outside 0..world-1")
-    if world_cap is not None:
-        reject(world > world_cap, f"world larger than {world_cap}")
+    limits = DEFAULT_LIMITS if world_cap is None else Limits(max_world=world_cap)
+    checked = {"rank": rank, "world": world, "step": step, "t": t}
+    for c in _NON_DP + ("dp",):
+        if c in names:
+            checked[c] = _ints(table.column(c), -1)
+    for f in ("job", "host", "param_digest"):
+        if f in names and pa.types.is_string(table.column(f).type):
+            checked[f"len:{f}"] = pc.fill_null(pc.utf8_length(table.column(f)), 0).to_numpy(
+                zero_copy_only=False)  # fmt: skip
+    for mask, reason in array_rejects(checked, limits):  # the one validation entry's bounds
+        reject(mask, reason)
     bad = sorted(reasons.items())
 
     ch: dict[str, np.ndarray] = {"rank": rank, "world": world, "t": t}

@@ -15,6 +15,7 @@ from collections import Counter, deque
 import numpy as np
 from rankscope.pipeline.engine.columns import PeerGroups, chunk_from_records
 from rankscope.pipeline.engine.gpu_join import GpuJoin
+from rankscope.pipeline.engine.world_vote import WorldVote
 
 __all__ = ["Pending", "JobBuffer"]
 
@@ -56,7 +57,7 @@ class JobBuffer:
 
     __slots__ = (
         "name", "world", "pending", "last_emitted", "clock", "step_clock", "durations", "prev_t",
-        "stats", "gpu", "groups", "hosts",
+        "stats", "gpu", "groups", "hosts", "vote",
     )  # fmt: skip
 
     def __init__(self, name: str, recent: int) -> None:
@@ -72,3 +73,4 @@ class JobBuffer:
         self.gpu = GpuJoin()
         self.groups = PeerGroups()
         self.hosts = np.full(0, None, dtype=object)
+        self.vote = WorldVote()  # which world the job's ranks claim (world_vote.py)

@@ -44,6 +44,7 @@ __all__ = [
     "check_record",
     "columns_bounds_reason",
     "parse_json",
+    "array_rejects",
 ]
 
 INT64_MIN = -(1 << 63)
@@ -254,3 +255,28 @@ def columns_bounds_reason(kind: str, cols: dict[str, list], limits: Limits = DEF
         if bool((np.abs(a) > limits.max_abs_t_s).any()):  # NaN compares False: accepted
             return "a t that is not a time"
     return None
+
+
+def array_rejects(cols: dict[str, np.ndarray], limits: Limits = DEFAULT_LIMITS):
+    """The bounds of ``bounds_reason`` over step columns already cast to int64/float64 (the
+    Parquet lane): ``(mask, reason)`` pairs, a mask of the rows out of each bound.
+
+    ``cols`` holds ``rank``, ``world``, ``step``, ``t``, the coordinates present and, for
+    string fields, their lengths under ``len:<name>``.
+    """
+    out = []
+    world, rank = cols["world"], cols["rank"]
+    out.append(((world < 1) | (world > limits.max_world), f"world outside 1..{limits.max_world}"))
+    out.append(((rank < 0) | (rank >= world), "rank outside 0..world-1"))
+    out.append((cols["step"] < 0, "step is negative"))
+    with np.errstate(invalid="ignore"):
+        out.append((np.abs(cols["t"]) > limits.max_abs_t_s, "t is not a time"))
+    for name in _RANKED[1:]:
+        v = cols.get(name)
+        if v is not None:  # absent coordinates are -1 there
+            bad = (v < -1) | (v >= limits.max_world)
+            out.append((bad, f"{name} outside 0..{limits.max_world - 1}"))
+    for key, lens in cols.items():
+        if key.startswith("len:"):
+            out.append((lens > limits.max_str_len, f"field '{key[4:]}' is too long"))
+    return out
