@@ -5,6 +5,9 @@ over the embedded channel (a multiprocessing queue) to this process, where the
 same engine ``rankscope serve`` runs assembles steps on the wall clock, runs
 the detectors and writes findings to DuckDB while training is still going.
 A copy of the stream is kept as a trace so the run can be replayed offline.
+Records from the embedded bus pass the same validation entry as files and
+Kafka (``rankscope.pipeline.traces.validate``); refused ones go to
+``bad_records`` with their reason.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankscope.collectors.schema.records import RecordError
 from rankscope.pipeline.engine.assemble import AssemblerConfig
 from rankscope.pipeline.engine.engine import Engine, EngineConfig
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.simulate import SimConfig, run_simulation
 from rankscope.pipeline.store import Store
-from rankscope.pipeline.traces.files import write_jsonl
+from rankscope.pipeline.traces.files import BadLine, write_jsonl
+from rankscope.pipeline.traces.validate import check_record
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "DEFAULT_FAULTS"]
 
@@ -72,6 +77,7 @@ class DemoResult:
     findings: list[Finding] = field(default_factory=list)
     labels: list[dict] = field(default_factory=list)
     records: int = 0
+    bad: int = 0
     wall_s: float = 0.0
     ended: str = ""
 
@@ -98,13 +104,14 @@ def run_demo(cfg: DemoConfig, log=print) -> DemoResult:
     engine = Engine(EngineConfig(assembler=AssemblerConfig(clock="wall")))
     found: dict[str, Finding] = {}
     kept: list[dict] = []
+    bad: list[BadLine] = []
     t0 = time.monotonic()
     trainer = threading.Thread(target=train, name="demo-training", daemon=True)
     trainer.start()
     with Store(cfg.db_path) as store:
         while True:
             alive = trainer.is_alive()
-            batch = _drain(inbox)
+            batch = _checked(_drain(inbox), len(kept) + len(bad), bad)
             kept.extend(batch)
             new = engine.feed(batch) if batch else engine.tick()
             _announce(new, found, log)
@@ -117,12 +124,25 @@ def run_demo(cfg: DemoConfig, log=print) -> DemoResult:
         store.write_turn(findings=findings, scores=engine.drain_scores(True),
                          jobs=[engine.job_summary(j) for j in engine.jobs],
                          source="embedded://demo")  # fmt: skip
+        store.record_bad("embedded://demo", bad)
     if "error" in outcome:
         raise outcome["error"]
     sim = outcome["sim"]
     write_jsonl(kept, cfg.trace_dir / "records.jsonl.gz")
-    return DemoResult(findings=findings, labels=sim.labels, records=len(kept),
+    return DemoResult(findings=findings, labels=sim.labels, records=len(kept), bad=len(bad),
                       wall_s=time.monotonic() - t0, ended=sim.ended)  # fmt: skip
+
+
+def _checked(batch: list, seen: int, bad: list[BadLine]) -> list[dict]:
+    """The records of ``batch`` the validation entry accepts; the others into ``bad``
+    (numbered by arrival, ``seen`` records before this batch)."""
+    out = []
+    for i, rec in enumerate(batch):
+        try:
+            out.append(check_record(rec))
+        except RecordError as exc:
+            bad.append(BadLine("embedded://demo", seen + i + 1, str(exc)))
+    return out
 
 
 def _drain(inbox: queue.SimpleQueue, limit: int = 50_000) -> list[dict]:

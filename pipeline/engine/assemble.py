@@ -33,6 +33,7 @@ to the hang monitor).
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -51,6 +52,7 @@ from rankscope.pipeline.traces.validate import DEFAULT_MAX_WORLD
 __all__ = ["AssemblerConfig", "StepAssembler"]
 
 CLOCKS = ("record", "wall")
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -359,7 +361,7 @@ class StepAssembler:
                 if far_ahead(j, p, self.cfg.max_step_ahead):  # one record must not move the step
                     j.stats["ahead"] += j.pending.pop(step).count
                     continue
-                frame = self._emit(j, j.pending.pop(step))
+                frame = self._emit_guarded(j, j.pending.pop(step))
                 if frame is not None:
                     out.append(frame)
         return out
@@ -372,10 +374,20 @@ class StepAssembler:
                 if far_ahead(j, j.pending[step], self.cfg.max_step_ahead):
                     j.stats["ahead"] += j.pending.pop(step).count
                     continue
-                frame = self._emit(j, j.pending.pop(step))
+                frame = self._emit_guarded(j, j.pending.pop(step))
                 if frame is not None:
                     out.append(frame)
         return out
+
+    def _emit_guarded(self, j: JobBuffer, p: Pending) -> StepFrame | None:
+        """``_emit``; a step that cannot be built is dropped and counted, never raised."""
+        try:
+            return self._emit(j, p)
+        except Exception:
+            j.stats["build_errors"] += 1
+            if j.stats["build_errors"] <= 3:
+                log.exception("job %s: step %s could not be built (dropped)", j.name, p.step)
+            return None
 
     def _emit(self, j: JobBuffer, p: Pending) -> StepFrame | None:
         j.last_emitted = p.step

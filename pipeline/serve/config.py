@@ -77,6 +77,8 @@ class ServeStats:
     findings: int = 0
     control_sent: int = 0
     checkpoints: int = 0
+    engine_errors: int = 0
+    """Steps dropped because building or detecting them raised (the service went on)."""
     seconds: float = 0.0
     detect_latency_s: list[float] = field(default_factory=list)
     """Per finding: from the arrival of its detected step's last record to the finding."""

@@ -29,8 +29,10 @@ nothing):
    checkpoint and rebuilds the same findings from the records after it.
 
 Malformed messages (not JSON, not records) and records that break the schema
-go to ``<prefix>.deadletter`` and the DuckDB ``bad_records`` table with the
-reason; the rest of the batch goes on. SIGTERM/SIGINT finish the batch,
+or its bounds go to ``<prefix>.deadletter`` and the DuckDB ``bad_records``
+table with the reason; the rest of the batch goes on. A message that makes
+the engine raise is retried once on its own, then dead-lettered, and the
+offset moves on (``rankscope.pipeline.serve.guard``). SIGTERM/SIGINT finish the batch,
 write, checkpoint, commit and return.
 """
 
@@ -47,6 +49,7 @@ from rankscope.pipeline.bus.kafka import KafkaBus
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.serve.config import ServeConfig, ServeStats
 from rankscope.pipeline.serve.db import ServeDb
+from rankscope.pipeline.serve.guard import dump_state, feed_apart, misrouted, tick_guarded
 from rankscope.pipeline.serve.hooks import log_failed_commit, loop_gc, rebalance_listener
 from rankscope.pipeline.serve.partition import PartitionState
 from rankscope.pipeline.serve.writer import ServeWriter, WriteJob
@@ -206,7 +209,7 @@ class Service:
             elif time.monotonic() - last_msg > 1.0:
                 self._resolve_positions()
             for part in self._parts.values():
-                self._found(part, part.engine.tick(now), now)
+                self._found(part, tick_guarded(part, now, self.stats), now)
                 if self.cfg.measure_latency:
                     part.built_steps(time.time(), self.stats.step_latency_s)
             self._write()
@@ -249,10 +252,15 @@ class Service:
                 bad: list[tuple[int, str, dict]] = []
                 start = len(good)
                 try:
-                    batch = decode_message(m.value, good, bad)
-                except ValueError as exc:
-                    self._dead(tp, m.offset, -1, str(exc), m.value)
+                    batch = decode_message(m.value, good, bad,
+                                           **({} if is_tel else {"min_columns": 1 << 62}))
+                except Exception as exc:  # noqa: BLE001 - any failure is this message's
+                    del good[start:]
+                    self._dead(tp, m.offset, -1, str(exc) if isinstance(exc, ValueError)
+                               else f"decode error: {type(exc).__name__}: {exc}", m.value)
                     continue
+                if not is_tel:
+                    bad.extend(misrouted(good, start))
                 for idx, reason, rec in bad:
                     self._dead(tp, m.offset, idx, reason, _dumps_or_none(rec))
                 if batch is not None:  # step records as columns: records before it go first
@@ -279,11 +287,11 @@ class Service:
             return
         try:
             found = part.engine.feed(good, now)
-        except Exception as exc:  # an engine bug must not stop the service
-            log.exception("engine failed on a batch from %s", tp)
-            for m in msgs:
-                self._dead(tp, m.offset, -1, f"engine error: {exc}", m.value)
-            return
+        except Exception:  # an engine bug must not stop the service: isolate the message
+            log.exception("engine failed on a batch from %s; feeding its messages apart", tp)
+            found, n = feed_apart(part, msgs, now, gpu_topic=tp.topic != self.topics["telemetry"],
+                                  dead=lambda m, why: self._dead(tp, m.offset, -1, why, m.value))
+            good = good[:n]  # what was fed: the counts below
         self.stats.records += len(good)
         counts = self.stats.partition_records
         counts[tp.partition] = counts.get(tp.partition, 0) + len(good)
@@ -294,10 +302,11 @@ class Service:
     def _feed_columns(self, tp, part: PartitionState, batch: StepBatch, msg, now: float) -> None:
         try:
             found = part.engine.feed_columns(batch.job, batch.step, batch.chunk, now)
-        except Exception as exc:  # an engine bug must not stop the service
-            log.exception("engine failed on a batch from %s", tp)
-            self._dead(tp, msg.offset, -1, f"engine error: {exc}", msg.value)
-            return
+        except Exception:  # an engine bug must not stop the service: retry it as records
+            log.exception("engine failed on a batch from %s; feeding it as records", tp)
+            found, batch.n = feed_apart(part, [msg], now, gpu_topic=False,
+                                        dead=lambda m, why: self._dead(tp, m.offset, -1, why,
+                                                                       m.value))  # fmt: skip
         self.stats.records += batch.n
         counts = self.stats.partition_records
         counts[tp.partition] = counts.get(tp.partition, 0) + batch.n
@@ -392,10 +401,7 @@ class Service:
         for pnum, part in self._parts.items():
             state = None
             if part.dirty:
-                state = orjson.dumps(
-                    part.engine.state_dict(),
-                    option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
-                ).decode()
+                state = dump_state(part.engine.state_dict())
             for topic in list(part.next_offset):
                 off = part.resume_offset(topic, telemetry)
                 if off is None:

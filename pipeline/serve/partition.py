@@ -8,11 +8,15 @@ every step read so far is built.
 
 from __future__ import annotations
 
+import logging
 from operator import itemgetter
 
-import orjson
+from rankscope.pipeline.traces.validate import parse_json
 
 __all__ = ["PartitionState"]
+
+log = logging.getLogger("rankscope.serve")
+_STEPPED = frozenset({"step", "check"})  # the types that name a step (beats are progress only)
 
 
 class PartitionState:
@@ -40,13 +44,17 @@ class PartitionState:
             self._engine = self._factory()
         if self.saved_state is not None:
             state, self.saved_state = self.saved_state, None
-            self._engine.load_state_dict(orjson.loads(state))
+            try:
+                self._engine.load_state_dict(parse_json(state))
+            except Exception:  # a checkpoint that cannot be loaded must not stop serve for good
+                log.exception("checkpointed engine state unusable: starting this partition fresh")
+                self._engine = self._factory()
         return self._engine
 
     def note_steps(self, recs: list[dict], start: int, offset: int, now: float) -> None:
         """Remember where (offset) and when records of each step arrived."""
         part = recs[start:] if start else recs
-        if "beat" not in set(map(itemgetter("type"), part)):
+        if set(map(itemgetter("type"), part)) <= _STEPPED:
             # the usual message: no beats, so every record names its step (C-level passes)
             for key in dict.fromkeys(map(itemgetter("job", "step"), part)):
                 self.arrival[key] = now
@@ -57,7 +65,7 @@ class PartitionState:
         last = None
         for i in range(start, len(recs)):
             rec = recs[i]
-            if rec["type"] == "beat":
+            if rec["type"] not in _STEPPED:  # beats, and gpu samples sent to this topic
                 continue
             key = (rec["job"], rec["step"])
             if key == last:

@@ -15,8 +15,12 @@ write. The offsets of a checkpoint are handed back (``take_commits``) only
 once the checkpoint is written and the producer flushed; the loop commits
 them, since a Kafka consumer must stay on one thread. The queue is bounded
 (``depth`` jobs), so a slow disk slows the loop instead of growing memory.
-A write that fails is raised in the loop at its next ``submit``, as it would
-have been inline.
+A write that fails is tried again piece by piece (``_write_apart``): a
+finding, dead letter, score batch or job row that fails alone is dropped with
+a log line and published to the dead-letter topic (one bad value must not stop
+the service); only when the checkpoint itself cannot be written is the
+failure raised in the loop at its next ``submit``, as it would have been
+inline.
 
 Everything handed over must be a snapshot the loop no longer changes:
 findings are copied (``Finding.from_dict(f.to_dict())``), the engine state
@@ -134,7 +138,11 @@ class ServeWriter:
                 return
             if self._error is None:
                 try:
-                    self._write(job)
+                    try:
+                        self._write(job)
+                    except Exception as exc:
+                        log.warning("serve write failed (%s); writing it piece by piece", exc)
+                        self._write_apart(job)
                 except BaseException as exc:  # handed to the loop, which stops serving
                     log.exception("serve writer failed")
                     self._error = exc
@@ -155,15 +163,37 @@ class ServeWriter:
             )  # fmt: skip
         self._publish(job)
         if job.commit is not None:
-            self._producer.flush(timeout=30)
+            if self._producer is not None:
+                self._producer.flush(timeout=30)
             with self._done_lock:
                 self._commits.append(job.commit)
+
+    def _write_apart(self, job: WriteJob) -> None:
+        """Each piece of ``job`` on its own; pieces that fail alone are dropped and
+        dead-lettered. The checkpoint goes last and its failure is raised."""
+        pieces = [WriteJob(findings=[f]) for f in job.findings]
+        pieces += [WriteJob(dead=[d]) for d in job.dead]
+        pieces += [WriteJob(scores=[sc]) for sc in job.scores]
+        pieces += [WriteJob(jobs=[j]) for j in job.jobs]
+        pieces.append(WriteJob(control=job.control))
+        for piece in pieces:
+            try:
+                self._write(piece)
+            except Exception as exc:  # this piece is the poison: drop it, say so
+                self._stats.deadletters += 1
+                what = piece.findings or piece.dead or piece.scores or piece.jobs
+                log.error("dropped an unwritable item (%s): %r", exc, what)
+                if self._producer is not None:
+                    self._producer.send(self._bus.topic("deadletter"), value=repr(what)[
+                        :100_000].encode(), headers=[("reason", f"store: {exc}".encode()[:1000]),
+                                                     ("source", b"serve-writer")])  # fmt: skip
+        self._write(WriteJob(checkpoints=job.checkpoints, commit=job.commit))
 
     def _publish(self, job: WriteJob) -> None:
         from rankscope.pipeline.bus.kafka import encode_records
 
-        if not (job.findings or job.control or job.dead):
-            return
+        if not (job.findings or job.control or job.dead) or self._producer is None:
+            return  # (no producer: a writer that only stores)
         topic = self._bus.topic
         send = self._producer.send
         for f in job.findings:
