@@ -220,6 +220,7 @@ class Service:
             if idle_exit is not None and time.monotonic() - last_msg > idle_exit:
                 for part in self._parts.values():
                     self._found(part, part.engine.flush(), time.time())
+                    part.dirty = True  # the flushed state and its offset go in the last checkpoint
                 return
 
     def _resolve_positions(self) -> None:
