@@ -14,11 +14,16 @@ in a ``DumpReport`` instead of stopping the import.
 What each field means across versions, and the facts this module extracts
 per rank (``RankDump``), are documented in ``docs/hangs.md``; the conversion
 to beat records lives in ``pipeline/importers/flight_recorder_beats.py``.
+
+Bounded in time and memory (docs/hangs.md, "Limits"): the world comes from
+the dumps present and the members their process groups declare, never from
+a file name alone (a dump whose name's rank none of the declared groups
+holds is refused), and no rank may reach ``MAX_WORLD``; member lists are
+parsed by a small bounded parser, never ``ast.literal_eval``.
 """
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +34,7 @@ from rankscope.pipeline.importers.safe_unpickle import (
     UnsafePickleError,
     safe_loads,
 )
+from rankscope.pipeline.traces.validate import DEFAULT_MAX_WORLD
 
 __all__ = ["Op", "RankDump", "DumpReport", "load_dumps", "parse_dump", "dump_rank_of"]
 
@@ -36,6 +42,11 @@ _RANK_IN_NAME = re.compile(r"(?:^|[_\-.a-zA-Z])(\d+)(?:\.pkl|\.pickle|\.json)?$"
 _P2P_NAME = re.compile(r"(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
 _SKIP_SUFFIXES = (".log", ".txt", ".md", ".jsonl", ".py", ".csv")
 _DONE_STATES = ("completed",)
+MAX_WORLD = DEFAULT_MAX_WORLD
+"""Ranks (and group members) must be below this; larger ones are refused with a note."""
+MAX_RANKS_TEXT = 8 * MAX_WORLD
+"""Characters of a member list written as text (``"[0, 1, 2]"``); longer ones are refused."""
+_RANKS_TEXT = re.compile(r"\s*[\[(]\s*(?:\d{1,10}\s*,\s*)*(?:\d{1,10}\s*(?:,\s*)?)?[\])]\s*")
 
 
 @dataclass(slots=True)
@@ -122,15 +133,23 @@ def dump_rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _members(raw) -> tuple[int, ...]:
-    if isinstance(raw, str):  # "[0, 1, 2]" in 2.x dumps
-        try:
-            raw = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
+def _members(raw, notes: list[str] | None = None) -> tuple[int, ...]:
+    """A group's member ranks: a list, or the text of one (``"[0, 1, 2]"`` in 2.x dumps),
+    read by a bounded parser; members at or past ``MAX_WORLD`` are dropped with a note."""
+    if isinstance(raw, str):
+        if len(raw) > MAX_RANKS_TEXT or not _RANKS_TEXT.fullmatch(raw):
+            if notes is not None:
+                notes.append(f"a member list of {len(raw)} characters is not a list of ranks")
             return ()
-    if isinstance(raw, (list, tuple)):
-        return tuple(int(x) for x in raw if isinstance(x, int) and not isinstance(x, bool))
-    return ()
+        raw = [int(x) for x in re.findall(r"\d+", raw)]
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_WORLD:
+        return ()
+    out = tuple(x for x in raw if isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+    if any(x >= MAX_WORLD for x in out):
+        if notes is not None:
+            notes.append(f"group members at or past {MAX_WORLD} dropped")
+        out = tuple(x for x in out if x < MAX_WORLD)
+    return out
 
 
 def _int(x) -> int | None:
@@ -174,7 +193,7 @@ def parse_dump(obj, rank: int, file: str) -> RankDump:
     for key, cfg in (obj.get("pg_config") or {}).items():
         if isinstance(cfg, dict):
             name = str(cfg.get("name", key))
-            groups[name] = (str(cfg.get("desc", "")), _members(cfg.get("ranks")))
+            groups[name] = (str(cfg.get("desc", "")), _members(cfg.get("ranks"), notes))
     status: dict[str, tuple[int, int]] = {}
     for pg_id, st in (obj.get("pg_status") or {}).items():
         if isinstance(st, dict):
@@ -255,8 +274,8 @@ def _infer_pg_names(names: list[str], status, pg_names, notes) -> None:
 def _load(path: Path):
     """A dump's dict: JSON when the file is JSON (the JSON trace format), else a
     pickle loaded with no globals allowed."""
-    with open(path, "rb") as fh:
-        data = fh.read(MAX_PICKLE_BYTES + 1)
+    with open(path, "rb") as fh:  # read(size), not read(MAX): that allocates the maximum
+        data = fh.read(min(path.stat().st_size, MAX_PICKLE_BYTES) + 1)
     if len(data) > MAX_PICKLE_BYTES:
         raise ValueError(f"larger than {MAX_PICKLE_BYTES} bytes; not a flight recorder dump")
     if data.lstrip()[:1] == b"{":
@@ -281,6 +300,9 @@ def load_dumps(directory, world: int | None = None) -> tuple[dict[int, RankDump]
         if rank is None:
             report.skipped.append(f.name)
             continue
+        if rank >= MAX_WORLD:
+            report.corrupt[f.name] = f"rank {rank} from the file name is not below {MAX_WORLD}"
+            continue
         try:
             dump = parse_dump(_load(f), rank, f.name)
         except UnsafePickleError as exc:
@@ -298,10 +320,25 @@ def load_dumps(directory, world: int | None = None) -> tuple[dict[int, RankDump]
         if not dump.ops:
             report.empty.append(rank)
         report.notes += [f"rank {rank}: {n}" for n in dump.notes]
-    known = set(dumps)
+    declared: set[int] = set()
     for dump in dumps.values():
         for _, members in dump.groups.values():
-            known.update(members)
+            declared.update(members)
+    if declared:  # a file name alone never makes a rank (or a world)
+        for rank in [r for r in dumps if r not in declared]:
+            f = dumps.pop(rank).file
+            report.corrupt[f] = (f"rank {rank} from the file name is in none of the declared "
+                                 "process groups")  # fmt: skip
+            report.loaded.remove(rank)
+            for ranks in report.versions.values():
+                if rank in ranks:
+                    ranks.remove(rank)
+            if rank in report.empty:
+                report.empty.remove(rank)
+    known = declared | set(dumps)
+    if world is not None and world > MAX_WORLD:
+        report.notes.append(f"world {world} given is past the limit {MAX_WORLD}; ignored")
+        world = None
     report.world = max(world or 0, max(known) + 1 if known else 0)
     report.missing = sorted(set(range(report.world)) - set(dumps))
     report.loaded.sort()

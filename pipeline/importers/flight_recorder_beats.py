@@ -32,6 +32,8 @@ from rankscope.pipeline.importers.flight_recorder import DumpReport, RankDump
 __all__ = ["dumps_to_records", "rank_counters"]
 
 DEFAULT_SPAN_S = 600.0  # NCCL's default watchdog timeout, when no entry says otherwise
+MAX_BEATS_PER_RANK = 1000
+"""Beats per rank at most, whatever span a dump's ``timeout_ms`` claims (bounded time)."""
 
 
 def _p2p_groups(dumps: dict[int, RankDump]) -> set[str]:
@@ -133,7 +135,7 @@ def dumps_to_records(
                 )
         pending = d.pending
         head = pending[0] if pending else None
-        n = int(span_s // beat_interval_s) + 1
+        n = min(int(span_s // beat_interval_s) + 1, MAX_BEATS_PER_RANK)
         for i in range(n):
             t = t_quiet + i * beat_interval_s
             if head is None:
