@@ -29,6 +29,12 @@ Who acts, and when (the contract):
   ``last_good_step = step - 1`` (the step before the incident began): a
   rollback of only the corrupted rank would leave the replicas disagreeing;
 - policy ``none``: only the callbacks run.
+
+Hostile input: every message is judged on its own and a malformed one (not
+JSON, nested too deeply, too large, the wrong shape) is rejected and counted
+in ``rejected``, never aborting the rest of the poll batch. Accepted nonces
+are persisted per job and rank (``rankscope.collectors.control.seen``), so a
+rank restarted by its launcher still refuses a captured message replayed to it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rankscope.collectors.control.seen import SeenNonces, default_state_file
 from rankscope.collectors.schema.control import ControlAuthConfig, Verifier, load_secret
 from rankscope.collectors.schema.kafka import KafkaUrl
 
@@ -58,6 +65,8 @@ __all__ = [
 
 log = logging.getLogger("rankscope.control")
 
+MAX_MESSAGE_BYTES = 64 * 1024
+"""A control message is a few hundred bytes; anything past this is refused unread."""
 EVICT_POLICIES = ("raise", "exclude-file", "none")
 RECOVER_POLICIES = ("rollback", "raise", "none")
 
@@ -108,6 +117,8 @@ class ControlListenerConfig:
     """Older control messages are rejected as expired."""
     poll_timeout_s: float = 0.5
     """How long one poll of the topic waits; also bounds how long ``close`` takes."""
+    state_file: str | None = None
+    """Where accepted nonces persist across restarts; None: ``seen.default_state_file``."""
 
     def __post_init__(self) -> None:
         KafkaUrl.parse(self.url)  # raises ValueError with the reason
@@ -143,7 +154,11 @@ class ControlListener:
             raise ValueError("recover_policy 'rollback' needs a restore(last_good_step) function")
         self.cfg = cfg
         self._url = KafkaUrl.parse(cfg.url)
-        self._verifier = Verifier(load_secret(secret), ControlAuthConfig(max_age_s=cfg.max_age_s))
+        auth = ControlAuthConfig(max_age_s=cfg.max_age_s)
+        self._verifier = Verifier(load_secret(secret), auth)
+        self._seen = SeenNonces(cfg.state_file or default_state_file(cfg.job, cfg.rank),
+                                horizon_s=auth.max_age_s + auth.clock_skew_s)  # fmt: skip
+        self._verifier.seed(self._seen.load())
         self._restore = restore
         self._callbacks: list[Callable[[ControlAction], object]] = []
         self._immediate: list[Callable[[ControlAction], object]] = []
@@ -224,11 +239,29 @@ class ControlListener:
         log.warning("rejected control message (%s): %.200r", reason, raw)
 
     def handle(self, raw: bytes, *, now: float | None = None) -> ControlAction | None:
-        """Check one raw message; queue and return the action when it is accepted."""
+        """Check one raw message; queue and return the action when it is accepted.
+        Never raises: whatever is wrong with the message is its rejection's reason."""
+        try:
+            return self._handle(raw, now)
+        except Exception as exc:  # noqa: BLE001 - RecursionError, odd types: the message's fault
+            self._reject(f"malformed: {type(exc).__name__}", raw if isinstance(raw, bytes) else b"")
+            return None
+
+    def handle_batch(self, values) -> int:
+        """``handle`` each raw message of one poll in turn; returns how many were accepted."""
+        return sum(self.handle(v) is not None for v in values)
+
+    def _handle(self, raw: bytes, now: float | None) -> ControlAction | None:
+        if raw is None or len(raw) > MAX_MESSAGE_BYTES:
+            self._reject(f"malformed: empty or larger than {MAX_MESSAGE_BYTES} bytes", b"")
+            return None
         try:
             msg = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             self._reject("malformed: not JSON", raw)
+            return None
+        except RecursionError:
+            self._reject("malformed: nested too deeply", raw[:200])
             return None
         reason = self._verifier.check(msg, now=now)
         if reason:
@@ -236,6 +269,7 @@ class ControlListener:
             return None
         if msg["job"] != self.cfg.job:
             return None  # authentic, but for another job
+        self._seen.add(msg["nonce"], float(msg["issued_t"]), now)  # before acting on it
         act = ControlAction(
             job=msg["job"],
             action=msg["action"],
@@ -295,8 +329,7 @@ class ControlListener:
                     self.ready.set()
                 batches = consumer.poll(timeout_ms=int(self.cfg.poll_timeout_s * 1000))
                 for msgs in batches.values():
-                    for m in msgs:
-                        self.handle(m.value)
+                    self.handle_batch(m.value for m in msgs)
             except Exception as exc:  # broker away: log once in a while, retry
                 errors += 1
                 if errors == 1 or errors % 50 == 0:

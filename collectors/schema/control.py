@@ -155,6 +155,11 @@ class Verifier:
         self._acted.add(key)
         return None
 
+    def seed(self, nonces: dict[str, float]) -> None:
+        """Remember nonces accepted before (``nonce -> issued_t``), e.g. by this rank before
+        a restart, so a captured message cannot be replayed to the new process."""
+        self._nonces.update(nonces)
+
     def _prune(self, now: float) -> None:
         # A nonce older than max_age_s can never come back valid: it would be expired.
         if len(self._nonces) > 1024:

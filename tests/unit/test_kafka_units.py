@@ -209,6 +209,7 @@ def test_announcer_signs_each_finding_action_once():
 
 
 def _listener(rank, host, tmp_path, **kw):
+    kw.setdefault("state_file", str(tmp_path / f"control-{rank}.json"))  # this test's own
     cfg = ControlListenerConfig(url=URL, job="j", rank=rank, host=host, **kw)
     return ControlListener(cfg, secret=SECRET, restore=kw.pop("restore", None))
 
