@@ -309,12 +309,8 @@ def build_frame(
             cols[k] = np.concatenate(parts)
     rank = cols["rank"]
     n = rank.size
-    idx = None
     if n and (n != int(np.count_nonzero(seen)) or not bool((rank[1:] > rank[:-1]).all())):
-        rev_first = np.unique(rank[::-1], return_index=True)[1]
-        idx = (n - 1) - rev_first  # the last occurrence of each rank, sorted by rank
-    if idx is not None:
-        cols = {k: v[idx] for k, v in cols.items() if v is not None}
+        cols = _last_per_rank(cols, rank)
         rank = cols["rank"]
     coords = {}
     for c in COORD_NAMES:
@@ -339,6 +335,39 @@ def build_frame(
         collectives=list(colls) if colls is not None else None,
         missing=missing.astype(np.int64),
     )
+
+
+def _last_per_rank(cols: dict[str, np.ndarray], rank: np.ndarray) -> dict[str, np.ndarray]:
+    """One row per rank, sorted by rank: each field's value from the last record of the
+    rank that carried it. A duplicate lacking a field (absent, null or NaN) does not
+    overwrite what an earlier record of the same rank and step said: a writer on the
+    telemetry topic could otherwise fake a non-finite loss for a rank that reported a
+    finite one (docs/trace-format.md, "Duplicates")."""
+    n = rank.size
+    order = np.lexsort((np.arange(n), rank))  # by rank, then arrival
+    r = rank[order]
+    starts = np.flatnonzero(np.concatenate(([True], r[1:] != r[:-1])))
+    last = np.concatenate((starts[1:], [n])) - 1  # each rank's last row (sorted positions)
+    out = {}
+    for k, v in cols.items():
+        if v is None:
+            continue
+        v = v[order]
+        if k == "rank" or starts.size == n:
+            out[k] = v[last]
+            continue
+        if v.dtype == object:
+            present = v != None  # noqa: E711 - elementwise on an object array
+        elif v.dtype.kind == "f":
+            present = ~np.isnan(v)
+        elif k in COORD_NAMES:
+            present = v >= 0
+        else:
+            present = np.ones(n, dtype=bool)
+        pos = np.where(present, np.arange(n), -1)
+        best = np.maximum.reduceat(pos, starts)
+        out[k] = v[np.where(best >= 0, best, last)]
+    return out
 
 
 def _blank(key: str, n: int) -> np.ndarray:
