@@ -1,9 +1,11 @@
 """The DuckDB findings store (default ``./rankscope.duckdb``).
 
-Tables (schema version 1):
+Tables (schema version 2):
 
 - ``jobs``: one row per job: world, hosts, last step and time seen, frames
-  assembled, where the data came from.
+  assembled, where the data came from, and what was lost on the way (version
+  2: ``late``, ``forced``, ``partial_frames``, ``refused``, ``dropped``; see
+  ``pipeline/engine/step_buffers.py`` ``LOSS_COUNTS``).
 - ``findings``: the trace format's findings shape plus ``finding_id``
   (primary key) and ``unattributed``; ``ranks`` INTEGER[], ``hosts``
   VARCHAR[], ``evidence`` JSON.
@@ -82,6 +84,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             FROM findings f, unnest(f.hosts) AS h(host)
             WHERE NOT f.unattributed
             GROUP BY f.job, h.host""",
+    ),
+    # what each job lost (Engine.job_summary, step_buffers.LOSS_COUNTS)
+    2: tuple(
+        f"ALTER TABLE jobs ADD COLUMN {c} BIGINT"
+        for c in ("late", "forced", "partial_frames", "refused", "dropped")
     ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -267,10 +274,13 @@ class Store:
         if last_t is not None and not math.isfinite(last_t):
             last_t = None
         self._x(
-            "INSERT OR REPLACE INTO jobs (job, world, hosts, last_step, frames, last_t, source) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO jobs (job, world, hosts, last_step, frames, last_t, source,"
+            " late, forced, partial_frames, refused, dropped)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [summary["job"], summary.get("world"), summary.get("hosts"),
-             summary.get("last_step"), summary.get("frames"), last_t, source],
+             summary.get("last_step"), summary.get("frames"), last_t, source,
+             summary.get("late"), summary.get("forced"), summary.get("partial_frames"),
+             summary.get("refused"), summary.get("dropped")],
         )  # fmt: skip
 
     def record_bad(self, source: str, errors: Iterable) -> int:

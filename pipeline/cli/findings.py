@@ -28,6 +28,7 @@ def run(args) -> int:
     try:
         with Store(args.db, read_only=True) as store:
             findings = store.list_findings(job=args.job, kind=args.kind)
+            jobs = [j for j in store.list_jobs() if args.job is None or j["job"] == args.job]
     except StoreError as exc:
         raise CliError(str(exc)) from None
     if args.json:
@@ -43,9 +44,22 @@ def run(args) -> int:
         return 0
     if not findings:
         print("no findings" + (f" for job {args.job!r}" if args.job else ""))
+        _print_loss(jobs)
         return 0
     header = FINDING_HEADER + ("triage",)
     rows = [r + (f.get("triage") or "",) for r, f in zip(findings_rows(findings), findings,
                                                          strict=True)]  # fmt: skip
     print(render_table(header, rows))
+    _print_loss(jobs)
     return 0
+
+
+def _print_loss(jobs: list[dict]) -> None:
+    """One line per job that lost anything on the way (the jobs table's loss counts)."""
+    from rankscope.pipeline.engine.step_buffers import LOSS_COUNTS
+
+    for j in jobs:
+        counts = {k: j.get(k) or 0 for k in LOSS_COUNTS}
+        if any(counts.values()):
+            parts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v)
+            print(f"job {j['job']}: lost on the way: {parts}")

@@ -15,14 +15,9 @@ service) the caller passes wall-clock ``now``.
 Robustness: duplicates collapse (the last record of a rank wins), records
 may arrive in any order (frames still come out in step order per job), a
 record for a step already emitted is counted as late and dropped (the step's
-detectors have run), and ranks outside ``0..world-1`` are refused. Bounds
-that need the job's state (docs/trace-format.md, "Bounds"): a step more than
-``max_step_ahead`` past the job's current step waits to be confirmed by a
-majority of the job's ranks and is dropped (counted ``ahead``) otherwise, so
-one record cannot make every later step late; a ``t`` more than
-``max_t_ahead_s`` past the job's clock is refused (``t_ahead``); the world is
-the one the job's ranks vote for (``world_vote``), records claiming another
-are refused (``world_mismatch``).
+detectors have run), and ranks outside ``0..world-1`` are refused; so are
+steps and times too far ahead of the job (``job_bounds``) and records of a
+world the job's ranks did not vote for (``world_vote``).
 
 Two input paths share the buffers: ``add_records`` for online dicts and
 ``add_table`` for Arrow/Parquet batches (per-step column chunks cut with whole
@@ -147,6 +142,8 @@ class StepAssembler:
                 job = rec["job"]
                 j = self._job(job)
                 step = p = None
+            if rec.get("dropped"):  # what the collector could not send: loss made visible
+                j.stats["dropped"] += int(rec["dropped"])
             t = rec.get("t")
             if t_ahead(j, t, self.cfg.max_t_ahead_s):
                 j.stats["t_ahead"] += 1
@@ -199,6 +196,7 @@ class StepAssembler:
         if len(set(map(itemgetter("job"), recs))) != 1:
             return False
         n = len(recs)
+        dropped = sum(filter(None, map(dict.get, recs, repeat("dropped"))))
         try:
             t = np.array(list(map(dict.get, recs, repeat("t"))), dtype=np.float64)
             rank = np.fromiter(map(itemgetter("rank"), recs), np.int64, n)
@@ -212,7 +210,10 @@ class StepAssembler:
         def put(p: Pending, a: int, b: int, idx: np.ndarray, whole: bool) -> None:
             p.recs.extend(recs[a:b] if whole else [recs[i] for i in idx.tolist()])
 
-        self._add_runs(self._job(recs[0]["job"]), t, rank, world, step, now, wall, put)
+        j = self._job(recs[0]["job"])
+        if dropped:
+            j.stats["dropped"] += int(dropped)
+        self._add_runs(j, t, rank, world, step, now, wall, put)
         return True
 
     def add_columns(self, job: str, step: np.ndarray, chunk: dict[str, np.ndarray],
@@ -223,6 +224,9 @@ class StepAssembler:
         wall = self.cfg.clock == "wall"
         if wall and now is None:
             now = time.time()
+        dropped = chunk.get("dropped")  # a metric column too (NaN: not reported)
+        if dropped is not None and dropped.size and (d := int(np.nansum(dropped))):
+            self._job(job).stats["dropped"] += d
 
         def put(p: Pending, a: int, b: int, idx: np.ndarray, whole: bool) -> None:
             p.seal()  # dict records that came before stay before
@@ -293,6 +297,9 @@ class StepAssembler:
             now = time.time()
         for job, step, ch in chunks:
             j = self._job(job)
+            dropped = ch.get("dropped")  # a metric column too (NaN: not reported)
+            if dropped is not None and dropped.size and (d := int(np.nansum(dropped))):
+                j.stats["dropped"] += d
             keep = None
             far = t_far(j, ch["t"], self.cfg.max_t_ahead_s)
             if far is not None:

@@ -50,6 +50,7 @@ from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.engine.incidents import IncidentTracker
 from rankscope.pipeline.engine.policy import PolicyConfig
 from rankscope.pipeline.engine.scores import ScoreBuckets
+from rankscope.pipeline.engine.step_buffers import loss_counts
 
 __all__ = ["Engine", "EngineConfig", "BeatMonitor", "clean_mask"]
 
@@ -383,6 +384,7 @@ class Engine:
         run = self._runs.get(job)
         hosts = {h for h in self.assembler.hosts_of(job, range(self.assembler.world(job)))}
         hosts.discard("?")
+        st = self.assembler.stats(job)
         return {
             "job": job,
             "world": self.assembler.world(job),
@@ -390,6 +392,7 @@ class Engine:
             "last_step": run.last_step if run else None,
             "frames": run.frames if run else 0,
             "last_t": self.assembler.clock(job),
+            **loss_counts(st),
         }
 
     # -- persistence -------------------------------------------------------
@@ -404,6 +407,7 @@ class Engine:
                     "monitor": run.monitor.state_dict() if run.monitor is not None else None,
                     "last_step": run.last_step,
                     "frames": run.frames,
+                    "scores": run.scores.state_dict(),
                 }
                 for job, run in self._runs.items()
             },
@@ -427,6 +431,8 @@ class Engine:
             run.monitor.load_state_dict(saved["monitor"])
         run.last_step = saved.get("last_step")
         run.frames = int(saved.get("frames", 0))
+        if saved.get("scores"):
+            run.scores.load_state_dict(saved["scores"])
 
 
 def _row_of(rank: np.ndarray, r: int) -> int | None:

@@ -82,6 +82,23 @@ class ScoreBuckets:
                 )
         self._acc = {}
 
+    def state_dict(self) -> dict:
+        """The open bucket (JSON-safe: finite cells only), so a restart loses no scores."""
+        acc = {}
+        for metric, a in self._acc.items():
+            ranks = np.flatnonzero(np.isfinite(a))
+            acc[metric] = {"size": int(a.size), "rank": ranks.tolist(), "score": a[ranks].tolist()}
+        return {"bucket_steps": self.bucket_steps, "bucket": self._bucket, "acc": acc}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.bucket_steps = int(d.get("bucket_steps") or 0)
+        self._bucket = d.get("bucket")
+        self._acc = {}
+        for metric, cells in (d.get("acc") or {}).items():
+            a = np.full(int(cells["size"]), np.nan)
+            a[np.asarray(cells["rank"], dtype=np.int64)] = np.asarray(cells["score"], np.float64)
+            self._acc[str(metric)] = a
+
     def drain(self, final: bool = False) -> dict[str, np.ndarray] | None:
         """Rows of finished buckets (all buckets when ``final``) as columns, or None."""
         if final and self._bucket is not None:

@@ -17,7 +17,23 @@ from rankscope.pipeline.engine.columns import PeerGroups, chunk_from_records
 from rankscope.pipeline.engine.gpu_join import GpuJoin
 from rankscope.pipeline.engine.world_vote import WorldVote
 
-__all__ = ["Pending", "JobBuffer"]
+__all__ = ["Pending", "JobBuffer", "LOSS_COUNTS", "loss_counts"]
+
+LOSS_COUNTS = ("late", "forced", "partial_frames", "refused", "dropped")
+"""What a job lost, as the store's ``jobs`` table and ``rankscope findings`` show it:
+records of steps already built (``late``), steps built before they were complete to
+bound memory (``forced``), steps built with ranks missing (``partial_frames``),
+records the assembler refused for the job's bounds (``refused``: outside the world,
+world mismatch, t or step too far ahead, steps that could not be built), and records
+the collectors said they had to drop (``dropped``)."""
+_REFUSALS = ("refused", "world_mismatch", "t_ahead", "ahead", "build_errors")
+
+
+def loss_counts(stats) -> dict[str, int]:
+    """``LOSS_COUNTS`` of one job from the assembler's counters."""
+    out = {k: int(stats.get(k, 0)) for k in ("late", "forced", "partial_frames", "dropped")}
+    out["refused"] = sum(int(stats.get(k, 0)) for k in _REFUSALS)
+    return out
 
 
 class Pending:
