@@ -175,11 +175,13 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
     if len(set(map(len, recs))) != 1:
         return None
     cols: dict[str, list] = {}
+    types: dict[str, set] = {}
     try:
         for name in first:
             vals = cols[name] = list(map(itemgetter(name), recs))
             allowed = table.get(name)
-            if allowed is not None and not set(map(type, vals)) <= allowed:
+            if allowed is not None and not (types.setdefault(name, set(map(type, vals)))
+                                            <= allowed):  # fmt: skip
                 return None
     except KeyError:  # a record lacks a field of the first: another shape
         return None
@@ -189,7 +191,7 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
         return None
     if "collectives" in cols and not all(not c or _colls_ok(c) for c in cols["collectives"]):
         return None
-    if columns_bounds_reason(kind, cols) is not None:
+    if columns_bounds_reason(kind, cols, types=types) is not None:
         return None
     return cols
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from itertools import chain
 from operator import lt
 from typing import Any
 
@@ -195,64 +194,70 @@ def bounds_reason(rec: dict, limits: Limits = DEFAULT_LIMITS) -> str | None:
     return None
 
 
-def columns_bounds_reason(kind: str, cols: dict[str, list], limits: Limits = DEFAULT_LIMITS):
+def _categories(kind: str) -> dict[str, str]:
+    """name -> what to check for each known field of ``kind`` (and job, type)."""
+    out = {"job": "str", "type": "str"}
+    for name, (types, _req) in SCHEMA[kind].items():
+        out[name] = {(int,): "int", (str,): "str", (list,): "list"}.get(types, "num")
+    return out
+
+
+_CATEGORIES = {kind: _categories(kind) for kind in SCHEMA}
+
+
+def columns_bounds_reason(kind: str, cols: dict[str, list], limits: Limits = DEFAULT_LIMITS,
+                          types: dict[str, set] | None = None) -> str | None:  # fmt: skip
     """``bounds_reason`` over records given as value lists, one per field (all records of one
     shape whose types the schema names exactly): None when every record is within bounds.
 
-    Whole-list C-level passes (min, max, map) instead of a record at a time; on
-    any doubt it answers with a reason and the caller judges record by record.
+    Whole-list C-level passes (min, max, map) instead of a record at a time; ``types``
+    (field -> the set of value types, when the caller has it) spares a pass over number
+    fields that hold no int. On any doubt it answers with a reason and the caller judges
+    record by record.
     """
-    table = SCHEMA[kind]
+    cats = _CATEGORIES[kind]
     items = LIST_ITEMS[kind]
+    lohi: dict[str, tuple[int, int]] = {}
     for name, vals in cols.items():
-        if name not in table and name not in ("job", "type"):
-            continue
-        first = type(vals[0])
-        if first is str:
+        cat = cats.get(name)
+        if cat is None:
+            continue  # unknown fields are kept, never read by the service
+        if cat == "int":
+            lo, hi = min(vals), max(vals)
+            if lo < INT64_MIN or hi > INT64_MAX:
+                return f"a '{name}' integer is outside the 64-bit range"
+            lohi[name] = (lo, hi)
+        elif cat == "str":
             if max(map(len, vals)) > limits.max_str_len:
                 return f"a '{name}' string is too long"
-        elif first is int or first is float:
-            ints = vals if (table.get(name, ((int,), 0))[0] == (int,)) else [
-                v for v in vals if type(v) is int]  # fmt: skip
+        elif cat == "num":
+            if types is not None and int not in types.get(name, (int,)):
+                continue
+            ints = [v for v in vals if type(v) is int]
             if ints and (min(ints) < INT64_MIN or max(ints) > INT64_MAX):
                 return f"a '{name}' integer is outside the 64-bit range"
-        elif first is list:
-            if max(map(len, vals)) > limits.max_list_len:
-                return f"a '{name}' list is too long"
-            item = items.get(name)
-            if item is dict:
-                flat = list(chain.from_iterable(vals))
-                for f in _COLL_INTS:
-                    xs = [c[f] for c in flat if f in c]
-                    if xs and (min(xs) < INT64_MIN or max(xs) > INT64_MAX):
-                        return "a collective's integer is outside the 64-bit range"
-                for f in _COLL_STRS:
-                    xs = [c[f] for c in flat if f in c]
-                    if xs and max(map(len, xs)) > limits.max_str_len:
-                        return "a collective's string is too long"
-            elif item is not None and any(
-                _list_reason(name, v, item, limits) for v in vals if v
-            ):
-                return f"a '{name}' list is out of bounds"
-    world = cols.get("world")
-    if world is not None and (min(world) < 1 or max(world) > limits.max_world):
+        elif any(_list_reason(name, v, items.get(name), limits) for v in vals if v):
+            return f"a '{name}' list is out of bounds"
+    world = lohi.get("world")
+    if world is not None and (world[0] < 1 or world[1] > limits.max_world):
         return f"world outside 1..{limits.max_world}"
     for name in _RANKED:
-        vals = cols.get(name)
-        if vals is None:
-            continue
-        if min(vals) < 0 or max(vals) >= limits.max_world:
+        r = lohi.get(name)
+        if r is not None and (r[0] < 0 or r[1] >= limits.max_world):
             return f"{name} outside 0..{limits.max_world - 1}"
-    rank = cols.get("rank")
-    if rank is not None and world is not None and not all(map(lt, rank, world)):
+    if world is not None and "rank" in cols and not all(map(lt, cols["rank"], cols["world"])):
         return "rank outside 0..world-1"
-    step = cols.get("step")
-    if step is not None and min(step) < 0:
+    step = lohi.get("step")
+    if step is not None and step[0] < 0:
         return "a negative step"
     t = cols.get("t")
     if t is not None:
-        a = np.asarray(t, dtype=np.float64)
-        if bool((np.abs(a) > limits.max_abs_t_s).any()):  # NaN compares False: accepted
+        bound = limits.max_abs_t_s
+        if len(t) <= 64:
+            bad = any(x > bound or x < -bound for x in t)  # NaN compares False: accepted
+        else:
+            bad = bool((np.abs(np.asarray(t, dtype=np.float64)) > bound).any())
+        if bad:
             return "a t that is not a time"
     return None
 
