@@ -102,3 +102,52 @@ def test_poison_messages_cost_only_themselves(kafka_url, procs, tmp_path):
     again = consume_all(kafka_url, "deadletter", expect=want + 1, timeout_s=5)
     assert len(again) == want, [dict(m.headers)["source"] for m in again]
     assert {_key(f) for f in findings_in(db)} == _reference(records + nan_job)
+
+
+class _BuggyEngine(Engine):
+    """A wall-clock engine with a bug on one record shape: what an engine bug not found
+    yet looks like to the service (the bounded retry must not depend on knowing it)."""
+
+    def __init__(self):
+        from rankscope.pipeline.engine.assemble import AssemblerConfig
+        from rankscope.pipeline.engine.engine import EngineConfig
+
+        super().__init__(EngineConfig(assembler=AssemblerConfig(clock="wall")))
+
+    def feed(self, records, now=None):
+        if any(r.get("tokens") == 13 for r in records):
+            raise ZeroDivisionError("a bug")
+        return super().feed(records, now)
+
+
+def test_a_message_the_engine_cannot_process_is_dead_lettered_once(kafka_url, tmp_path):
+    from rankscope.pipeline.serve.loop import ServeConfig, Service
+
+    records = make_records(job="bug", dp=4, tp=1, steps=30, ranks_per_host=2)
+    bus = KafkaBus(kafka_url)
+    bus.ensure_topics(1)
+    producer = bus.producer()
+    tel = bus.topic("telemetry")
+    for step in range(30):
+        batch = records[4 * step : 4 * step + 4]
+        if step == 10:
+            batch = [{**r, "tokens": 13} for r in batch]
+        producer.send(tel, key=b"bug", value=encode_records(batch))
+    producer.flush()
+    producer.close()
+
+    def run():
+        cfg = ServeConfig(bus=kafka_url, db_path=str(tmp_path / "s.duckdb"), group="bug-serve",
+                          idle_exit_s=2.0, checkpoint_interval_s=0.5, partitions=1)  # fmt: skip
+        return Service(cfg, engine_factory=_BuggyEngine).run()
+
+    stats = run()  # once: the exception went up and out of serve, every restart again
+    assert stats.deadletters == 1 and stats.messages == 30
+    assert group_lag(kafka_url, "bug-serve") == 0
+    (dead,) = consume_all(kafka_url, "deadletter", expect=1)
+    assert dict(dead.headers)["reason"] == b"engine error: ZeroDivisionError: a bug"
+    with Store(tmp_path / "s.duckdb", read_only=True) as st:
+        (job,) = st.list_jobs()
+    assert job["frames"] == 29 and job["last_step"] == 29
+    again = run()  # the restart does not meet it again
+    assert again.deadletters == 0 and again.messages == 0

@@ -89,3 +89,32 @@ def test_the_demo_lane_validates_its_records():
     assert [r["rank"] for r in good] == [0, 1]
     assert [(b.line, "64-bit" in b.reason or "world" in b.reason or "object" in b.reason)
             for b in bad] == [(12, True), (13, True), (14, True)]  # fmt: skip
+
+
+class _Msg:
+    def __init__(self, offset, value):
+        self.offset, self.value = offset, value
+
+
+class _BuggyEngine(Engine):
+    """An engine with a bug on one record shape (what a future detector bug looks like)."""
+
+    def feed(self, records, now=None):
+        if any(r.get("tokens") == 13 for r in records):
+            raise ZeroDivisionError("a bug")
+        return super().feed(records, now)
+
+
+def test_a_message_the_engine_fails_on_is_retried_alone_then_dead_lettered():
+    from rankscope.pipeline.bus.kafka import encode_records
+    from rankscope.pipeline.serve.guard import feed_apart
+
+    recs = make_records(job="bug", dp=4, tp=1, steps=6, ranks_per_host=2)
+    msgs = [_Msg(i, encode_records(recs[4 * i : 4 * i + 4])) for i in range(6)]
+    msgs[3] = _Msg(3, encode_records([{**r, "tokens": 13} for r in recs[12:16]]))
+    part = PartitionState(_BuggyEngine)
+    dead = []
+    found, fed = feed_apart(part, msgs, 1.0, gpu_topic=False,
+                            dead=lambda m, why: dead.append((m.offset, why)))  # fmt: skip
+    assert dead == [(3, "engine error: ZeroDivisionError: a bug")]
+    assert fed == 20 and part.engine.stats("bug")["records"] == 20
