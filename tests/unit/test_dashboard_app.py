@@ -132,7 +132,8 @@ def test_heatmap_downsamples_big_jobs_on_the_server(db, monkeypatch):
         "CASE WHEN r = 300 AND s >= 50 THEN 9.0 ELSE 0.1 END "
         "FROM range(1024) t(r), range(250) u(s)"
     )
-    con.execute("INSERT INTO jobs VALUES ('wide', 1024, 128, 999, 1000, 1.0, 'test')")
+    con.execute("INSERT INTO jobs (job, world, hosts, last_step, frames, last_t, source) "
+                "VALUES ('wide', 1024, 128, 999, 1000, 1.0, 'test')")  # named: jobs grew columns
     con.close()
     at = render("Heatmap", job="wide")
     cells = chart_data(at)[0]
