@@ -25,7 +25,8 @@ from operator import itemgetter
 import orjson
 from rankscope.pipeline.bus.decode import decode_records
 
-__all__ = ["misrouted", "feed_apart", "tick_guarded", "dump_state"]
+__all__ = ["misrouted", "feed_apart", "tick_guarded", "dump_state", "engine_state",
+           "engine_output"]
 
 log = logging.getLogger("rankscope.serve")
 
@@ -80,6 +81,29 @@ def tick_guarded(part, now: float, stats) -> list:
         if stats.engine_errors <= 10:
             log.exception("engine failed building a step (dropped; the service goes on)")
         return []
+
+
+def engine_state(part, stats) -> str | None:
+    """The partition's engine state as checkpoint JSON; None (logged, counted) when it
+    cannot be had: that partition is then neither checkpointed nor committed this time."""
+    try:
+        return dump_state(part.engine.state_dict())
+    except Exception:
+        stats.engine_errors += 1
+        log.exception("engine state could not be saved; the checkpoint waits")
+        return None
+
+
+def engine_output(part, stats) -> tuple[list, list]:
+    """``(score rows, job summaries)`` of the partition's engine for the store; ([], [])
+    (logged, counted) when the engine fails to give them."""
+    try:
+        eng = part.engine
+        return eng.drain_scores(), [eng.job_summary(j) for j in eng.jobs]
+    except Exception:
+        stats.engine_errors += 1
+        log.exception("engine scores or job summaries could not be had")
+        return [], []
 
 
 def dump_state(state: dict) -> str:

@@ -49,7 +49,13 @@ from rankscope.pipeline.bus.kafka import KafkaBus
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.serve.config import ServeConfig, ServeStats
 from rankscope.pipeline.serve.db import ServeDb
-from rankscope.pipeline.serve.guard import dump_state, feed_apart, misrouted, tick_guarded
+from rankscope.pipeline.serve.guard import (
+    engine_output,
+    engine_state,
+    feed_apart,
+    misrouted,
+    tick_guarded,
+)
 from rankscope.pipeline.serve.hooks import log_failed_commit, loop_gc, rebalance_listener
 from rankscope.pipeline.serve.partition import PartitionState
 from rankscope.pipeline.serve.writer import ServeWriter, WriteJob
@@ -361,8 +367,9 @@ class Service:
         if due:
             job.checkpoints, job.commit = self._checkpoint_rows()
             for part in self._parts.values():
-                job.scores.extend(part.engine.drain_scores())
-                job.jobs.extend(part.engine.job_summary(j) for j in part.engine.jobs)
+                scores, summaries = engine_output(part, self.stats)
+                job.scores.extend(scores)
+                job.jobs.extend(summaries)
             self._last_checkpoint = time.monotonic()
             self.stats.checkpoints += 1
         self._writer.submit(job)
@@ -402,7 +409,9 @@ class Service:
         for pnum, part in self._parts.items():
             state = None
             if part.dirty:
-                state = dump_state(part.engine.state_dict())
+                state = engine_state(part, self.stats)
+                if state is None:  # no checkpoint, no commit for it: retried next time
+                    continue
             for topic in list(part.next_offset):
                 off = part.resume_offset(topic, telemetry)
                 if off is None:

@@ -118,3 +118,21 @@ def test_a_message_the_engine_fails_on_is_retried_alone_then_dead_lettered():
                             dead=lambda m, why: dead.append((m.offset, why)))  # fmt: skip
     assert dead == [(3, "engine error: ZeroDivisionError: a bug")]
     assert fed == 20 and part.engine.stats("bug")["records"] == 20
+
+
+def test_an_engine_whose_state_cannot_be_had_skips_the_checkpoint_not_the_service():
+    from rankscope.pipeline.serve.guard import engine_output, engine_state
+
+    class Broken(Engine):
+        def state_dict(self):
+            raise RuntimeError("detector state bug")
+
+        def drain_scores(self, final=False):
+            raise RuntimeError("scores bug")
+
+    stats = ServeStats()
+    part = PartitionState(Broken)
+    assert engine_state(part, stats) is None and engine_output(part, stats) == ([], [])
+    assert stats.engine_errors == 2
+    ok = PartitionState(Engine)
+    assert parse_json(engine_state(ok, stats)) == {"assembler": {}, "jobs": {}}
