@@ -42,13 +42,11 @@ def findings_timeline(df: pd.DataFrame) -> alt.Chart:
     A dot marks the step it was detected. Expects the columns of
     ``queries.job_findings``.
     """
-    kind_row = {k: i for i, k in enumerate(LABEL_KINDS)}
     data = df.assign(
         step_end=df["last_step"] + 1,
         rank_lo=df["ranks"].map(lambda r: min(r) if len(r) else -1),
-        # Findings of different kinds on one rank sit side by side, not on top of each other.
-        row=df["ranks"].map(lambda r: min(r) if len(r) else -1)
-        + df["kind"].map(lambda k: 0.12 * kind_row.get(k, len(kind_row))),
+        # At the rank itself: an offset per kind drew a hang on rank 9 at 9.5.
+        row=df["ranks"].map(lambda r: min(r) if len(r) else -1),
         ranks_text=df["ranks"].map(lambda r: ",".join(str(x) for x in r[:16])),
         hosts_text=df["hosts"].map(lambda h: ",".join(h[:8])),
     )[
@@ -69,7 +67,7 @@ def findings_timeline(df: pd.DataFrame) -> alt.Chart:
         alt.Tooltip("score:Q", format=".2f"),
     ]
     base = alt.Chart(data)
-    bars = base.mark_bar(height=6).encode(
+    bars = base.mark_bar(height=8, opacity=0.75).encode(
         x=alt.X("first_step:Q", title="step"),
         x2="step_end:Q",
         y=alt.Y("row:Q", title="rank (lowest affected)", axis=alt.Axis(format="d", tickMinStep=1),
@@ -88,35 +86,65 @@ def findings_timeline(df: pd.DataFrame) -> alt.Chart:
     return (bars + dots).properties(height=320, title="Findings by step", autosize=_FIT_X)
 
 
-def heatmap(cells: pd.DataFrame, metric: str, zmax: float = 6.0) -> alt.Chart:
+def heatmap(cells: pd.DataFrame, metric: str, onsets: pd.DataFrame | None = None,
+            ranks_per_cell: int = 1) -> alt.LayerChart:
     """Rank x step cells of consensus scores; orange above the peers, blue below.
 
     ``cells`` has rank_lo, rank_hi, step_lo, step_hi (exclusive ends) and the
     signed score of largest magnitude in each cell (``queries.heatmap_cells``),
-    already binned on the server. Colors saturate at +-``zmax``.
+    already binned on the server. Each row is labelled with its rank (or its
+    ranks' range when binned), in the middle of the row. The color scale is
+    symmetric-log and spans the largest |score| drawn, so a 50 and a 5 are
+    both visible. ``onsets`` (rank, onset_step) are marked with a triangle.
     """
-    xs = ys = alt.Undefined
-    if len(cells):  # the axes end where the job ends, not at the next round number
+    end = int(cells["rank_hi"].max()) if len(cells) else 0
+    los = sorted(set(map(int, cells["rank_lo"])))
+    labels = {r: _row_label(r, ranks_per_cell, end) for r in los}
+    data = cells.assign(row=cells["rank_lo"].map(lambda r: labels[int(r)]))
+    zmax = max(3.0, float(cells["score"].abs().max())) if len(cells) else 3.0
+    order = list(labels.values())
+    xs = alt.Undefined
+    if len(cells):  # the axis ends where the job ends, not at the next round number
         xs = [int(cells["step_lo"].min()), int(cells["step_hi"].max())]
-        ys = [int(cells["rank_lo"].min()), int(cells["rank_hi"].max())]
-    return alt.Chart(cells).mark_rect().encode(
+    y = alt.Y("row:O", title="rank" if ranks_per_cell == 1 else "ranks", sort=order,
+              axis=alt.Axis(labelOverlap="parity"))  # fmt: skip
+    rect = alt.Chart(data).mark_rect().encode(
         x=alt.X("step_lo:Q", title="step", scale=alt.Scale(domain=xs, nice=False)),
         x2="step_hi:Q",
-        y=alt.Y("rank_lo:Q", title="rank", scale=alt.Scale(reverse=True, domain=ys, nice=False)),
-        y2="rank_hi:Q",
+        y=y,
         color=alt.Color(
             "score:Q",
             title=f"{metric} score",
-            scale=alt.Scale(scheme="blueorange", domainMid=0, domain=[-zmax, zmax], clamp=True),
+            scale=alt.Scale(type="symlog", scheme="blueorange", domainMid=0,
+                            domain=[-zmax, zmax]),  # fmt: skip
         ),
         tooltip=[
-            alt.Tooltip("rank_lo:Q", title="ranks from"),
-            alt.Tooltip("rank_hi:Q", title="ranks to (excl.)"),
+            alt.Tooltip("row:N", title="rank" if ranks_per_cell == 1 else "ranks"),
             alt.Tooltip("step_lo:Q", title="steps from"),
             alt.Tooltip("step_hi:Q", title="steps to (excl.)"),
             alt.Tooltip("score:Q", format=".2f", title="score"),
         ],
-    ).properties(height=420, title=f"Consensus score: {metric}", autosize=_FIT_X)
+    )
+    layers = [rect]
+    if onsets is not None and len(onsets) and len(cells):
+        o = onsets.dropna(subset=["onset_step"])
+        o = o.assign(row=o["rank"].map(
+            lambda r: _row_label(int(r) // ranks_per_cell * ranks_per_cell, ranks_per_cell, end)))
+        layers.append(alt.Chart(o).mark_point(shape="triangle-right", filled=True, size=90,
+                                              color="black").encode(
+            x="onset_step:Q", y=y,
+            tooltip=[alt.Tooltip("rank:Q"), alt.Tooltip("onset_step:Q", title="onset step"),
+                     alt.Tooltip("steps_over:Q", title="steps over threshold")],
+        ))  # fmt: skip
+    return alt.layer(*layers).properties(
+        height=420, title=f"Consensus score: {metric} (triangles: onsets of the top ranks)",
+        autosize=_FIT_X)
+
+
+def _row_label(rank_lo: int, per_cell: int, rank_end: int) -> str:
+    if per_cell == 1:
+        return str(int(rank_lo))
+    return f"{int(rank_lo)}-{min(rank_lo + per_cell, rank_end) - 1}"
 
 
 def evidence_strip(evidence: dict, rank_label: str) -> alt.Chart | None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["DashboardConfig", "DB_ENV", "DEFAULT_DB"]
+__all__ = ["DashboardConfig", "DB_ENV", "DEFAULT_DB", "REFRESH_ENV"]
 
 # `rankscope dashboard --db PATH` hands the path to the Streamlit script in
 # this variable (Streamlit owns the script's argv).
 DB_ENV = "RANKSCOPE_DB"
 DEFAULT_DB = "rankscope.duckdb"
+# Seconds between automatic re-runs of a page; 0 turns them off.
+REFRESH_ENV = "RANKSCOPE_DASHBOARD_REFRESH_S"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +46,14 @@ class DashboardConfig:
     """Steps of history shown before a finding's onset in its evidence plot."""
     max_finding_points: int = 5000
     """At most this many findings drawn on the step-axis chart (the table shows all)."""
+    refresh_s: float = 10.0
+    """Seconds between automatic re-runs of the page while it is open; 0: off."""
+    live_max_mb: float = 256.0
+    """No automatic re-runs over a store file larger than this (each costs a full render)."""
+    persist_threshold: float = 3.0
+    """A rank-step counts toward a rank's persistence when its |score| reaches this."""
+    timeline_max_steps: int = 2000
+    """At most this many steps of raw trace records read for a rank's timeline."""
 
     def __post_init__(self) -> None:
         if not self.db_path:
@@ -63,6 +73,16 @@ class DashboardConfig:
             )
         if not self.recent_window_s > 0:
             raise ValueError(f"recent_window_s must be positive, got {self.recent_window_s}")
+        if self.refresh_s < 0 or (0 < self.refresh_s < 1):
+            raise ValueError(f"refresh_s must be 0 (off) or at least 1 s, got {self.refresh_s}")
+        if not self.live_max_mb > 0:
+            raise ValueError(f"live_max_mb must be positive, got {self.live_max_mb}")
+        if not self.persist_threshold > 0:
+            raise ValueError(f"persist_threshold must be positive, got {self.persist_threshold}")
+        if self.timeline_max_steps < 10:
+            raise ValueError(
+                f"timeline_max_steps must be at least 10, got {self.timeline_max_steps}"
+            )
         if self.max_finding_points < 1:
             raise ValueError(
                 f"max_finding_points must be at least 1, got {self.max_finding_points}"
@@ -72,4 +92,11 @@ class DashboardConfig:
     def from_env(cls, **overrides) -> DashboardConfig:
         """The config of a dashboard started by `rankscope dashboard` (db path from the env)."""
         overrides.setdefault("db_path", os.environ.get(DB_ENV) or DEFAULT_DB)
+        raw = os.environ.get(REFRESH_ENV)
+        if raw and "refresh_s" not in overrides:
+            try:
+                overrides["refresh_s"] = float(raw)
+            except ValueError:
+                msg = f"{REFRESH_ENV} must be a number of seconds, got {raw!r}"
+                raise ValueError(msg) from None
         return cls(**overrides)

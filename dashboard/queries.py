@@ -34,7 +34,8 @@ __all__ = [
     "latest_open_findings", "filter_options", "job_findings", "findings_table", "findings_csv",
     "finding_labels", "finding", "affected", "finding_actions", "job_hosts", "host_ranks",
     "set_triage", "triage_log", "score_metrics", "score_extent", "heatmap_cells", "top_ranks",
-    "score_history", "host_gpu", "gpu_events",
+    "score_history", "host_gpu", "gpu_events", "open_by_severity", "control_channel",
+    "job_world", "job_source", "rank_host",
 ]  # fmt: skip
 
 # Findings a person still has to act on are those not triaged away: the SQL
@@ -105,14 +106,15 @@ def jobs_overview(con, *, now_t: float, recent_s: float) -> pd.DataFrame:
 
 
 def latest_open_findings(con, *, limit: int = 20) -> pd.DataFrame:
-    """The newest open findings of every job, for the front page."""
+    """The open findings of every job, worst action first, then newest, for the front page."""
     df = _df(
         con,
         "SELECT f.job, f.kind, f.ranks, f.hosts, f.first_step, f.last_step, f.action, "
         "f.detected_t, f.finding_id FROM findings f "
         "LEFT JOIN triage t ON t.finding_id = f.finding_id "
         "WHERE coalesce(t.status, 'open') IN ('open', 'confirmed') "
-        "ORDER BY f.detected_t DESC, f.finding_id LIMIT ?",
+        "ORDER BY CASE f.action WHEN 'evict' THEN 0 WHEN 'recover' THEN 1 ELSE 2 END, "
+        "f.detected_t DESC, f.finding_id LIMIT ?",
         [int(limit)],
     )
     return pd.DataFrame({
@@ -122,6 +124,69 @@ def latest_open_findings(con, *, limit: int = 20) -> pd.DataFrame:
         "action": df["action"], "detected": df["detected_t"].map(_when),
         "finding": df["finding_id"],
     })  # fmt: skip
+
+
+def open_by_severity(con, *, per_job: int = 3) -> dict[str, list[dict]]:
+    """Per job, its open findings worst first (evict > recover > observe, then newest).
+
+    Every job of the store is a key (healthy ones map to ``[]``); at most
+    ``per_job`` findings each, evidence parsed, for the first screen's banners.
+    """
+    df = _df(
+        con,
+        "SELECT * FROM (SELECT f.finding_id, f.job, f.kind, f.ranks, f.hosts, f.first_step, "
+        "f.last_step, f.detected_step, f.detected_t, f.score, f.detector, f.action, f.evidence, "
+        "f.unattributed, row_number() OVER (PARTITION BY f.job ORDER BY CASE f.action "
+        "WHEN 'evict' THEN 0 WHEN 'recover' THEN 1 ELSE 2 END, f.detected_t DESC, "
+        "f.finding_id) AS n FROM findings f LEFT JOIN triage t ON t.finding_id = f.finding_id "
+        "WHERE coalesce(t.status, 'open') IN ('open', 'confirmed')) WHERE n <= ? "
+        "ORDER BY job, n",
+        [int(per_job)],
+    )
+    out: dict[str, list[dict]] = {j: [] for j in job_names(con)}
+    for r in df.to_dict("records"):
+        r["ranks"] = [int(x) for x in r["ranks"]] if r["ranks"] is not None else []
+        r["hosts"] = list(r["hosts"]) if r["hosts"] is not None else []
+        r["evidence"] = orjson.loads(r["evidence"]) if r["evidence"] else {}
+        out.setdefault(r["job"], []).append(r)
+    return out
+
+
+def control_channel(con, job: str) -> bool:
+    """Whether the job's findings went out over a control channel (``serve`` over Kafka).
+
+    A replayed trace or the embedded demo never sends evict / recover
+    messages, so for them "not delivered" would be a false alarm of its own.
+    """
+    row = con.execute("SELECT source FROM jobs WHERE job = ?", [job]).fetchone()
+    return row is not None and row[0] == "kafka"
+
+
+def job_world(con, job: str) -> int:
+    """How many ranks the job has: its jobs row, else the highest rank seen + 1."""
+    row = con.execute(
+        "SELECT coalesce((SELECT world FROM jobs WHERE job = ?), "
+        "(SELECT max(rank) + 1 FROM scores WHERE job = ?), "
+        "(SELECT max(r) + 1 FROM findings, unnest(ranks) AS u(r) WHERE job = ?), 0)",
+        [job, job, job],
+    ).fetchone()
+    return int(row[0] or 0)
+
+
+def job_source(con, job: str) -> str | None:
+    """Where the job's records came from (a trace path, ``kafka``, ``embedded://...``)."""
+    row = con.execute("SELECT source FROM jobs WHERE job = ?", [job]).fetchone()
+    return row[0] if row else None
+
+
+def rank_host(con, job: str, rank: int) -> str | None:
+    """The host a single-host finding places the rank on (None when none does)."""
+    row = con.execute(
+        "SELECT hosts[1] FROM findings WHERE job = ? AND len(hosts) = 1 "
+        "AND list_contains(ranks, ?) ORDER BY detected_t DESC LIMIT 1",
+        [job, int(rank)],
+    ).fetchone()
+    return row[0] if row else None
 
 
 def filter_options(con, job: str) -> dict[str, list]:
@@ -251,8 +316,12 @@ def _ranks_on_host(con, f: dict, host: str) -> list[int]:
     return [r for r in f["ranks"] if r in known]
 
 
-def finding_actions(con, finding_id: str) -> pd.DataFrame:
-    """Evict / recover decisions of one finding: when issued and whether delivered."""
+def finding_actions(con, finding_id: str, *, channel: bool = True) -> pd.DataFrame:
+    """Evict / recover decisions of one finding: when issued and whether delivered.
+
+    Without a control channel (``channel=False``) delivery is "none: no control
+    channel" rather than "not delivered".
+    """
     df = _df(
         con,
         "SELECT action, step, issued_t, delivered_t, hosts FROM actions "
@@ -262,7 +331,8 @@ def finding_actions(con, finding_id: str) -> pd.DataFrame:
     return pd.DataFrame({
         "action": df["action"], "at_step": df["step"], "hosts": df["hosts"].map(_join),
         "issued": df["issued_t"].map(_when),
-        "delivered": df["delivered_t"].map(lambda t: _when(t) or "not delivered"),
+        "delivered": df["delivered_t"].map(
+            lambda t: _when(t) or ("not delivered" if channel else "none: no control channel")),
     })  # fmt: skip
 
 
@@ -277,19 +347,30 @@ def job_hosts(con, job: str) -> list[str]:
     return [r[0] for r in rows]
 
 
-def host_ranks(con, job: str, host: str) -> pd.DataFrame:
-    """Ranks known to run on a host: those named by single-host findings of that host.
+def host_ranks(con, job: str, host: str, *, also=()) -> pd.DataFrame:
+    """The ranks of a host: ``also`` (placed by the trace) plus those its findings place there.
 
-    The store has no rank -> host table, so a rank is placed on a host only
-    when a finding names that host alone (then all its ranks are there).
+    The store has no rank -> host table: without a trace a rank is placed on
+    a host only when a finding names that host alone. Each rank's findings on
+    this host are counted, with their kinds and worst action.
     """
-    return _df(
+    found = _df(
         con,
         "SELECT r AS rank, count(*) AS findings, string_agg(DISTINCT kind, ', ') AS kinds, "
+        "CASE max(CASE action WHEN 'evict' THEN 2 WHEN 'recover' THEN 1 ELSE 0 END) "
+        "WHEN 2 THEN 'evict' WHEN 1 THEN 'recover' ELSE 'observe' END AS worst_action, "
         "max(last_step) AS last_step FROM findings, unnest(ranks) AS u(r) "
-        "WHERE job = ? AND len(hosts) = 1 AND hosts[1] = ? GROUP BY r ORDER BY r",
-        [job, host],
+        "WHERE job = ? AND list_contains(hosts, ?) AND (len(hosts) = 1 OR "
+        "list_contains(?::INTEGER[], r)) GROUP BY r ORDER BY r",
+        [job, host, [int(r) for r in also]],
     )
+    extra = sorted(set(int(r) for r in also) - set(found["rank"]))
+    if extra:
+        none = pd.DataFrame({"rank": extra, "findings": 0, "kinds": "", "worst_action": "",
+                             "last_step": None})  # fmt: skip
+        found = pd.concat([found, none], ignore_index=True).sort_values("rank", ignore_index=True)
+    found["findings"] = found["findings"].astype(int)
+    return found
 
 
 def set_triage(con, finding_id: str, status: str, note: str = "", *,

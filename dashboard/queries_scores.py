@@ -102,15 +102,24 @@ def heatmap_cells(con, job: str, metric: str, *, max_ranks: int, max_steps: int,
 
 
 def top_ranks(con, job: str, metric: str, *, step_lo: int, step_hi: int,
-              limit: int = 10) -> pd.DataFrame:  # fmt: skip
-    """The ranks whose scores strayed furthest from their peers in a step range."""
+              limit: int = 10, threshold: float = 3.0) -> pd.DataFrame:  # fmt: skip
+    """The ranks that stayed away from their peers longest in a step range.
+
+    Ranked by persistence: the steps (of stored buckets, clipped to the range)
+    whose |score| reached ``threshold``; a one-step spike weighs one step, a
+    straggler that lasts 90 steps weighs 90. ``onset_step`` is the first such
+    step, ``peak_score`` the signed score of largest magnitude and its step.
+    """
     return con.execute(
-        "SELECT rank, round(arg_max(score, abs(score)), 2) AS peak_score, "
-        "arg_max(step, abs(score)) AS at_step, "
-        "count(*) FILTER (WHERE abs(score) >= 3) AS cells_over_3 "
+        "SELECT rank, coalesce(sum(least(step + steps - 1, ?) - greatest(step, ?) + 1) "
+        "  FILTER (WHERE abs(score) >= ?), 0)::BIGINT AS steps_over, "
+        "greatest(min(step) FILTER (WHERE abs(score) >= ?), ?) AS onset_step, "
+        "round(arg_max(score, abs(score)), 2) AS peak_score, "
+        "arg_max(step, abs(score)) AS peak_step "
         "FROM scores WHERE job = ? AND metric = ? AND step + steps > ? AND step <= ? "
-        "GROUP BY rank ORDER BY max(abs(score)) DESC, rank LIMIT ?",
-        [job, metric, int(step_lo), int(step_hi), int(limit)],
+        "GROUP BY rank ORDER BY steps_over DESC, max(abs(score)) DESC, rank LIMIT ?",
+        [int(step_hi), int(step_lo), float(threshold), float(threshold), int(step_lo),
+         job, metric, int(step_lo), int(step_hi), int(limit)],
     ).df()
 
 
@@ -166,8 +175,9 @@ def gpu_events(con, job: str, host: str) -> pd.DataFrame:
     rows = []
     for r in df.itertuples(index=False):
         ev = orjson.loads(r.evidence) if r.evidence else {}
-        causes = ev.get("causes") or [{"cause": ev.get("metric") or "gpu"}]
+        causes = ev.get("causes") or [_throttle_cause(ev)]
         for c in causes:
+            c = c if isinstance(c, dict) else {"cause": str(c)}
             detail = ", ".join(f"{k}={v}" for k, v in c.items() if k != "cause")
             rows.append({
                 "step": int(r.detected_step), "gpu": ev.get("gpu"),
@@ -176,3 +186,17 @@ def gpu_events(con, job: str, host: str) -> pd.DataFrame:
             })  # fmt: skip
     return pd.DataFrame(rows, columns=["step", "gpu", "ranks", "event", "detail", "action",
                                        "finding"])  # fmt: skip
+
+
+def _throttle_cause(ev: dict) -> dict:
+    """A throttling finding (detectors/gpu/throttle.py) as one cause with its readings."""
+    cause = {"cause": "throttle: " + (", ".join(map(str, ev.get("clock_events") or []))
+                                      or str(ev.get("metric") or "gpu"))}  # fmt: skip
+    for key in ("temp_c", "power_w", "sm_clock_mhz"):
+        if ev.get(key) is not None:
+            cause[key] = ev[key]
+    if ev.get("metric") and ev.get("peer_median") is not None:
+        cause[f"peer_median_{ev['metric']}"] = ev["peer_median"]
+    if ev.get("reasons"):
+        cause["reasons"] = " ".join(map(str, ev["reasons"]))
+    return cause

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import streamlit as st
-from rankscope.dashboard import charts, queries
+from rankscope.dashboard import charts, headline, plain, queries
 from rankscope.dashboard.config import DashboardConfig
 
 __all__ = ["show_jobs", "show_findings", "show_heatmap", "open_finding"]
@@ -30,22 +30,51 @@ def open_finding(finding_id: str) -> None:
     st.session_state["view"] = "Finding"
 
 
+def _job_banner(job: str, found: list[dict], n_open: int) -> None:
+    worst = found[0] if found else None
+    b = headline.banner(worst)
+    lines = [f"{job}: {b.headline}", b.evidence, f"What to do: {b.todo}"]
+    links_html = ""
+    if worst is not None:
+        links_html = plain.link("Open this finding", view="Finding", job=job,
+                                finding=worst["finding_id"])  # fmt: skip
+        links_html += " &middot; " + plain.link(f"All {n_open} open findings of this job",
+                                                view="Findings", job=job)  # fmt: skip
+        if len(found) > 1:
+            nxt = headline.banner(found[1])
+            lines.append(f"Next: {nxt.headline}")
+    plain.banner(b.level, lines, links_html)
+
+
 def show_jobs(con, cfg: DashboardConfig, job: str) -> None:
     st.title("Jobs")
     now = time.time()
     jobs = queries.jobs_overview(con, now_t=now, recent_s=cfg.recent_window_s)
+    worst = queries.open_by_severity(con, per_job=2)
+    n_open = dict(zip(jobs["job"], jobs["open_findings"], strict=True))
+    order = sorted(worst, key=lambda j: (
+        headline.ACTION_ORDER.get(worst[j][0]["action"], 3) if worst[j] else 9,
+        -(worst[j][0]["detected_t"] or 0) if worst[j] else 0, j))  # fmt: skip
+    bad = [j for j in order if worst[j]]
+    st.subheader(f"{len(bad)} of {len(order)} jobs need attention, worst first"
+                 if bad else "Every job looks healthy")  # fmt: skip
+    for j in bad:
+        _job_banner(j, worst[j], int(n_open.get(j, len(worst[j]))))
+    healthy = [j for j in order if not worst[j]]
+    if healthy:
+        plain.banner("ok", [f"Healthy (no open findings): {', '.join(healthy)}"])
     c1, c2, c3 = st.columns(3)
     c1.metric("Jobs", len(jobs))
     c2.metric("Open findings", int(jobs["open_findings"].sum()))
     c3.metric(f"Findings in the last {cfg.recent_window_s / 3600:g} h",
               int(jobs["findings_last_hour"].sum()))
-    st.dataframe(jobs, hide_index=True, width="stretch")
-    st.subheader("Open findings, newest first")
+    st.dataframe(jobs, hide_index=True, width="stretch", key="jobs_table")
+    st.subheader("Open findings, worst first")
     latest = queries.latest_open_findings(con, limit=20)
     if latest.empty:
         st.success("No open findings: every job looks healthy.")
     else:
-        st.table(latest)
+        st.dataframe(latest, hide_index=True, width="stretch", key="open_table")
 
 
 def _filters(con, job: str) -> dict:
@@ -61,7 +90,7 @@ def _filters(con, job: str) -> dict:
 
 
 def show_findings(con, cfg: DashboardConfig, job: str) -> None:
-    st.title(f"Findings of {job}")
+    plain.title(f"Findings of {job}")
     chosen = _filters(con, job)
     df = queries.job_findings(
         con, job, kinds=chosen["kind"], hosts=chosen["host"], ranks=chosen["rank"],
@@ -86,7 +115,7 @@ def show_findings(con, cfg: DashboardConfig, job: str) -> None:
 
 
 def show_heatmap(con, cfg: DashboardConfig, job: str) -> None:
-    st.title(f"Rank x step scores of {job}")
+    plain.title(f"Rank x step scores of {job}")
     metrics = queries.score_metrics(con, job)
     if not metrics:
         st.info("No per-rank scores stored for this job yet.")
@@ -110,6 +139,11 @@ def show_heatmap(con, cfg: DashboardConfig, job: str) -> None:
         f"cells ({bins.ranks_per_cell} ranks x {bins.steps_per_cell} steps per cell, the cell's "
         "score of largest magnitude; orange: above the peers, blue: below)."
     )
-    st.altair_chart(charts.heatmap(cells, metric), width="stretch")
-    st.subheader("Ranks with the highest scores")
-    st.table(queries.top_ranks(con, job, metric, step_lo=lo, step_hi=hi, limit=10))
+    top = queries.top_ranks(con, job, metric, step_lo=lo, step_hi=hi, limit=10,
+                            threshold=cfg.persist_threshold)  # fmt: skip
+    onsets = top[top["steps_over"] > 0]
+    st.altair_chart(charts.heatmap(cells, metric, onsets, bins.ranks_per_cell), width="stretch")
+    st.subheader("Ranks longest away from their peers")
+    st.caption(f"Steps with |score| >= {cfg.persist_threshold:g} (persistence), the first such "
+               "step (onset) and the score of largest magnitude.")
+    st.dataframe(top, hide_index=True, width="stretch", key="top_ranks")
