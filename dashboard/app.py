@@ -53,18 +53,21 @@ def _page(cfg: DashboardConfig, view: str, job: str) -> None:
 
 def _live(cfg: DashboardConfig) -> float | None:
     """Seconds between automatic re-runs, or None (off, or the store is too big for it)."""
-    if not cfg.refresh_s:
-        return None
     try:
-        size_mb = Path(cfg.db_path).stat().st_size / 1e6
+        size = Path(cfg.db_path).stat().st_size
     except OSError:
-        return None
-    return cfg.refresh_s if size_mb <= cfg.live_max_mb else None
+        size = None
+    return cfg.live_every_s(size)
 
 
 def main() -> None:
     st.set_page_config(page_title="rankscope", layout="wide")
-    cfg = DashboardConfig.from_env()
+    try:
+        cfg = DashboardConfig.from_env()
+    except ValueError as exc:
+        plain.title("rankscope")
+        plain.banner("error", [f"Configuration: {exc}"])
+        return
     links.seed_from_url(VIEWS)
     st.sidebar.title("rankscope")
     view = st.sidebar.radio("View", list(VIEWS), key="view")

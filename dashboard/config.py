@@ -88,6 +88,12 @@ class DashboardConfig:
                 f"max_finding_points must be at least 1, got {self.max_finding_points}"
             )
 
+    def live_every_s(self, store_bytes: int | None) -> float | None:
+        """Seconds between automatic re-runs for a store this big; None: no auto-refresh."""
+        if not self.refresh_s or store_bytes is None or store_bytes > self.live_max_mb * 1e6:
+            return None
+        return self.refresh_s
+
     @classmethod
     def from_env(cls, **overrides) -> DashboardConfig:
         """The config of a dashboard started by `rankscope dashboard` (db path from the env)."""

@@ -101,26 +101,40 @@ def heatmap_cells(con, job: str, metric: str, *, max_ranks: int, max_steps: int,
     return df[cols], bins
 
 
+_TOP_RANKS_SQL = """
+WITH s AS (
+  SELECT rank, step, steps, score FROM scores
+  WHERE job = $job AND metric = $metric AND step + steps > $lo AND step <= $hi),
+over AS (  -- contiguous buckets over the threshold share step - running sum of steps
+  SELECT rank, step, least(step + steps - 1, $hi) - greatest(step, $lo) + 1 AS n,
+         step - sum(steps) OVER (PARTITION BY rank ORDER BY step) AS grp
+  FROM s WHERE abs(score) >= $thr),
+runs AS (SELECT rank, greatest(min(step), $lo) AS start, sum(n) AS n FROM over GROUP BY rank, grp),
+per AS (SELECT rank, sum(n)::BIGINT AS steps_over, max(n)::BIGINT AS longest_run,
+               arg_max(start, n) AS onset_step FROM runs GROUP BY rank),
+peak AS (SELECT rank, round(arg_max(score, abs(score)), 2) AS peak_score,
+                arg_max(step, abs(score)) AS peak_step, max(abs(score)) AS m FROM s GROUP BY rank)
+SELECT p.rank, coalesce(r.steps_over, 0) AS steps_over, coalesce(r.longest_run, 0) AS longest_run,
+       r.onset_step, p.peak_score, p.peak_step
+FROM peak p LEFT JOIN per r USING (rank)
+ORDER BY steps_over DESC, longest_run DESC, p.m DESC, p.rank LIMIT $limit
+"""
+
+
 def top_ranks(con, job: str, metric: str, *, step_lo: int, step_hi: int,
               limit: int = 10, threshold: float = 3.0) -> pd.DataFrame:  # fmt: skip
     """The ranks that stayed away from their peers longest in a step range.
 
     Ranked by persistence: the steps (of stored buckets, clipped to the range)
     whose |score| reached ``threshold``; a one-step spike weighs one step, a
-    straggler that lasts 90 steps weighs 90. ``onset_step`` is the first such
-    step, ``peak_score`` the signed score of largest magnitude and its step.
+    straggler that lasts 90 steps weighs 90. ``onset_step`` is where the
+    longest unbroken run over the threshold starts (a stray noisy step before
+    the fault does not move it), ``peak_score`` the signed score of largest
+    magnitude and ``peak_step`` its step.
     """
-    return con.execute(
-        "SELECT rank, coalesce(sum(least(step + steps - 1, ?) - greatest(step, ?) + 1) "
-        "  FILTER (WHERE abs(score) >= ?), 0)::BIGINT AS steps_over, "
-        "greatest(min(step) FILTER (WHERE abs(score) >= ?), ?) AS onset_step, "
-        "round(arg_max(score, abs(score)), 2) AS peak_score, "
-        "arg_max(step, abs(score)) AS peak_step "
-        "FROM scores WHERE job = ? AND metric = ? AND step + steps > ? AND step <= ? "
-        "GROUP BY rank ORDER BY steps_over DESC, max(abs(score)) DESC, rank LIMIT ?",
-        [int(step_hi), int(step_lo), float(threshold), float(threshold), int(step_lo),
-         job, metric, int(step_lo), int(step_hi), int(limit)],
-    ).df()
+    return con.execute(_TOP_RANKS_SQL, {
+        "job": job, "metric": metric, "lo": int(step_lo), "hi": int(step_hi),
+        "thr": float(threshold), "limit": int(limit)}).df()  # fmt: skip
 
 
 def score_history(con, job: str, metric: str, ranks: list[int], *, step_lo: int,

@@ -106,7 +106,7 @@ def test_page_says_it_shows_a_snapshot(db, tmp_path, held, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     at = AppTest.from_file(APP, default_timeout=60).run()
     assert not at.exception
-    assert any("A writer holds the store" in c.value for c in at.sidebar.caption)
+    assert any("A writer holds the store" in e.proto.body for e in at.sidebar.get("html"))
     assert "live-job" in set(at.dataframe[0].value["job"])
 
 

@@ -117,11 +117,14 @@ def test_finding_detail_actions_and_affected_hosts(con):
     assert f["ranks"] == [5] and f["hosts"] == ["gpuhost1"]
     assert f["evidence"]["metric"] == "compute_s" and f["evidence"]["value"] > f["evidence"][
         "peer_median"]  # fmt: skip
-    acts = q.finding_actions(con, fid)
+    # A replayed job has no control channel: its decisions were never due for delivery.
+    assert q.job_source(con, SYNTH_JOB) != "kafka" and not q.control_channel(con, SYNTH_JOB)
+    acts = q.finding_actions(con, fid, channel=q.control_channel(con, SYNTH_JOB))
     stored = con.execute("SELECT action, step FROM actions WHERE finding_id = ? ORDER BY step",
                          [fid]).fetchall()  # fmt: skip
     assert list(zip(acts["action"], acts["at_step"], strict=True)) == stored
-    assert set(acts["delivered"]) == {"not delivered"}  # replay delivers nothing
+    assert set(acts["delivered"]) == {"none: no control channel"}
+    assert set(q.finding_actions(con, fid, channel=True)["delivered"]) == {"not delivered"}
     aff = q.affected(con, f)
     assert list(aff["host"]) == ["gpuhost1"] and aff.loc[0, "ranks"] == "5"
 
@@ -155,7 +158,23 @@ def test_heatmap_step_range_and_full_resolution(con):
     assert cells["step_lo"].min() == 30 and cells["step_hi"].max() == 40
     assert len(cells) == 8 * 10
     top = q.top_ranks(con, SYNTH_JOB, "compute_s", step_lo=30, step_hi=39, limit=3)
-    assert top["rank"].iloc[0] == 5 and top["cells_over_3"].iloc[0] == 10
+    assert top["rank"].iloc[0] == 5 and top["steps_over"].iloc[0] == 10
+    assert top["onset_step"].iloc[0] == 30  # clipped to the range asked for
+
+
+def test_top_ranks_rank_by_persistence_not_by_a_one_step_peak(rw_con):
+    """A 90-step straggler at score 5 outranks a one-step spike of 40 (as the issue found)."""
+    rw_con.execute(
+        "INSERT INTO scores SELECT 'p', s, 1, r, 'compute_s', CASE WHEN r = 3 AND s = 50 THEN 40.0 "
+        "WHEN r = 6 AND s >= 10 THEN 5.0 ELSE 0.2 END FROM range(8) t(r), range(100) u(s)")
+    top = q.top_ranks(rw_con, "p", "compute_s", step_lo=0, step_hi=99, limit=3)
+    assert list(top["rank"][:2]) == [6, 3]
+    assert list(top["steps_over"][:2]) == [90, 1] and top["onset_step"].iloc[0] == 10
+    assert top["longest_run"].iloc[0] == 90
+    assert top["peak_score"].iloc[1] == 40.0
+    n = rw_con.execute("SELECT count(*) FROM scores WHERE job = 'p' AND rank = 6 AND "
+                       "abs(score) >= 3").fetchone()[0]  # fmt: skip
+    assert n == 90
 
 
 def test_score_history_separates_blamed_rank_from_others(con):
@@ -169,7 +188,13 @@ def test_score_history_separates_blamed_rank_from_others(con):
 def test_host_view_queries(con):
     assert "gpuhost1" in q.job_hosts(con, SYNTH_JOB)
     ranks = q.host_ranks(con, SYNTH_JOB, "gpuhost1")
-    assert list(ranks["rank"]) == [5]
+    assert list(ranks["rank"]) == [5] and ranks.loc[0, "worst_action"] == "evict"
+    placed = q.host_ranks(con, SYNTH_JOB, "gpuhost1", also=[4, 5, 6, 7])
+    assert list(placed["rank"]) == [4, 5, 6, 7] and list(placed["findings"]) == [
+        0, int(ranks.loc[0, "findings"]), 0, 0]  # fmt: skip
+    thermal = q.gpu_events(con, "sample-gpu-thermal", "node01")
+    assert len(thermal) and thermal["event"].str.startswith("throttle: sw_thermal").all()
+    assert thermal["detail"].str.contains("temp_c=85").all()  # the cause's reading, not blank
     ev = q.gpu_events(con, SYNTH_JOB, "gpuhost1")
     if not ev.empty:  # the GPU detectors name their causes (xid 79 here)
         assert "xid" in set(ev["event"]) and ev["detail"].str.contains("79").any()
@@ -200,7 +225,8 @@ def test_triage_set_reopen_and_refuse(rw_con):
     {"db_path": ""}, {"open_attempts": 0}, {"write_attempts": 0}, {"open_backoff_s": 0},
     {"open_backoff_s": 1.0, "max_backoff_s": 0.5}, {"heatmap_max_ranks": 1},
     {"heatmap_max_steps": 1}, {"recent_window_s": 0}, {"evidence_window_steps": 0},
-    {"max_finding_points": 0},
+    {"max_finding_points": 0}, {"refresh_s": -1}, {"refresh_s": 0.5}, {"live_max_mb": 0},
+    {"persist_threshold": 0}, {"timeline_max_steps": 5},
 ])  # fmt: skip
 def test_config_checks(bad):
     with pytest.raises(ValueError):
@@ -210,3 +236,27 @@ def test_config_checks(bad):
 def test_config_reads_db_from_env(monkeypatch):
     monkeypatch.setenv("RANKSCOPE_DB", "/x/y.duckdb")
     assert DashboardConfig.from_env().db_path == "/x/y.duckdb"
+
+
+def test_config_reads_refresh_from_env(monkeypatch):
+    monkeypatch.setenv("RANKSCOPE_DASHBOARD_REFRESH_S", "0")
+    assert DashboardConfig.from_env().refresh_s == 0
+    monkeypatch.setenv("RANKSCOPE_DASHBOARD_REFRESH_S", "soon")
+    with pytest.raises(ValueError, match="number of seconds"):
+        DashboardConfig.from_env()
+
+
+def test_open_findings_worst_action_first_then_newest(con):
+    by_job = q.open_by_severity(con, per_job=5)
+    assert set(by_job) == set(q.job_names(con)) and by_job["sample-clean-dp8"] == []
+    for job, found in by_job.items():
+        want = con.execute(
+            "SELECT finding_id FROM findings WHERE job = ? ORDER BY CASE action WHEN 'evict' "
+            "THEN 0 WHEN 'recover' THEN 1 ELSE 2 END, detected_t DESC, finding_id LIMIT 5",
+            [job]).fetchall()  # fmt: skip
+        assert [f["finding_id"] for f in found] == [r[0] for r in want]
+    latest = q.latest_open_findings(con, limit=50)
+    order = {"evict": 0, "recover": 1, "observe": 2}
+    assert list(latest["action"].map(order)) == sorted(latest["action"].map(order))
+    assert q.job_world(con, SYNTH_JOB) == 8 and q.rank_host(con, SYNTH_JOB, 5) == "gpuhost1"
+    assert q.rank_host(con, SYNTH_JOB, 0) is None
