@@ -33,6 +33,7 @@ KIND_COLORS = {
 # Fit the container's width, keep the height asked for: Streamlit's default
 # ("fit" including padding) squeezes short charts to a sliver.
 _FIT_X = alt.AutoSizeParams(type="fit-x", contains="padding")
+MAX_BAND_ROWS = 40  # ranks with findings up to which each gets its own labelled row
 _KIND_SCALE = alt.Scale(domain=list(LABEL_KINDS), range=[KIND_COLORS[k] for k in LABEL_KINDS])
 
 
@@ -67,22 +68,27 @@ def findings_timeline(df: pd.DataFrame) -> alt.Chart:
         alt.Tooltip("score:Q", format=".2f"),
     ]
     base = alt.Chart(data)
-    bars = base.mark_bar(height=8, opacity=0.75).encode(
-        x=alt.X("first_step:Q", title="step"),
-        x2="step_end:Q",
-        y=alt.Y("row:Q", title="rank (lowest affected)", axis=alt.Axis(format="d", tickMinStep=1),
-                scale=alt.Scale(domain=[float(data["row"].min()) - 1,
-                                        float(data["row"].max()) + 1], nice=False)),
-        color=alt.Color("kind:N", scale=_KIND_SCALE, title="kind"),
-        tooltip=tooltip,
-    )
+    rows = sorted(set(int(r) for r in data["row"]))
+    if len(rows) <= MAX_BAND_ROWS:
+        # One labelled row per rank; findings of several kinds on a rank share its row,
+        # side by side inside it (the label stays the rank's own, at the row's middle).
+        y = alt.Y("row:O", title="rank (lowest affected)", sort=rows)
+        split = {"yOffset": alt.YOffset("kind:N", scale=alt.Scale(domain=list(LABEL_KINDS)))}
+        bar = base.mark_bar(opacity=0.85)
+    else:  # too many ranks for a row each: a rank axis, bars at their rank exactly
+        y = alt.Y("row:Q", title="rank (lowest affected)", axis=alt.Axis(format="d"),
+                  scale=alt.Scale(domain=[rows[0] - 1, rows[-1] + 1], nice=False))
+        split = {}
+        bar = base.mark_bar(height=6, opacity=0.75)
+    bars = bar.encode(
+        x=alt.X("first_step:Q", title="step"), x2="step_end:Q", y=y,
+        color=alt.Color("kind:N", scale=_KIND_SCALE, title="kind"), tooltip=tooltip, **split,
+    )  # fmt: skip
     dots = base.mark_point(filled=True, size=70, stroke="black", strokeWidth=1).encode(
-        x="detected_step:Q",
-        y="row:Q",
+        x="detected_step:Q", y=y,
         color=alt.Color("kind:N", scale=_KIND_SCALE, title="kind"),
-        shape=alt.Shape("action:N", title="action"),
-        tooltip=tooltip,
-    )
+        shape=alt.Shape("action:N", title="action"), tooltip=tooltip, **split,
+    )  # fmt: skip
     return (bars + dots).properties(height=320, title="Findings by step", autosize=_FIT_X)
 
 
@@ -95,7 +101,8 @@ def heatmap(cells: pd.DataFrame, metric: str, onsets: pd.DataFrame | None = None
     already binned on the server. Each row is labelled with its rank (or its
     ranks' range when binned), in the middle of the row. The color scale is
     symmetric-log and spans the largest |score| drawn, so a 50 and a 5 are
-    both visible. ``onsets`` (rank, onset_step) are marked with a triangle.
+    both visible. ``onsets`` (rank, onset_step, kind: the findings' first
+    steps at the ranks they name) are marked with a triangle.
     """
     end = int(cells["rank_hi"].max()) if len(cells) else 0
     los = sorted(set(map(int, cells["rank_lo"])))
@@ -134,10 +141,10 @@ def heatmap(cells: pd.DataFrame, metric: str, onsets: pd.DataFrame | None = None
                                               color="black").encode(
             x="onset_step:Q", y=y,
             tooltip=[alt.Tooltip("rank:Q"), alt.Tooltip("onset_step:Q", title="onset step"),
-                     alt.Tooltip("steps_over:Q", title="steps over threshold")],
+                     alt.Tooltip("kind:N", title="finding")],
         ))  # fmt: skip
     return alt.layer(*layers).properties(
-        height=420, title=f"Consensus score: {metric} (triangles: onsets of the top ranks)",
+        height=420, title=f"Consensus score: {metric} (triangles: where findings start)",
         autosize=_FIT_X)
 
 

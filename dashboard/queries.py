@@ -35,7 +35,7 @@ __all__ = [
     "finding_labels", "finding", "affected", "finding_actions", "job_hosts", "host_ranks",
     "set_triage", "triage_log", "score_metrics", "score_extent", "heatmap_cells", "top_ranks",
     "score_history", "host_gpu", "gpu_events", "open_by_severity", "control_channel",
-    "job_world", "job_source", "rank_host",
+    "job_world", "job_source", "rank_host", "finding_onsets",
 ]  # fmt: skip
 
 # Findings a person still has to act on are those not triaged away: the SQL
@@ -160,6 +160,16 @@ def control_channel(con, job: str) -> bool:
     """
     row = con.execute("SELECT source FROM jobs WHERE job = ?", [job]).fetchone()
     return row is not None and row[0] == "kafka"
+
+
+def finding_onsets(con, job: str, *, step_lo: int, step_hi: int) -> pd.DataFrame:
+    """rank, onset_step, kind: each finding's first step at each rank it names, in a range."""
+    return _df(
+        con,
+        "SELECT r AS rank, first_step AS onset_step, kind FROM findings, unnest(ranks) AS u(r) "
+        "WHERE job = ? AND first_step BETWEEN ? AND ? ORDER BY rank, first_step",
+        [job, int(step_lo), int(step_hi)],
+    )
 
 
 def job_world(con, job: str) -> int:

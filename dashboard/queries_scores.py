@@ -111,11 +111,11 @@ over AS (  -- contiguous buckets over the threshold share step - running sum of 
   FROM s WHERE abs(score) >= $thr),
 runs AS (SELECT rank, greatest(min(step), $lo) AS start, sum(n) AS n FROM over GROUP BY rank, grp),
 per AS (SELECT rank, sum(n)::BIGINT AS steps_over, max(n)::BIGINT AS longest_run,
-               arg_max(start, n) AS onset_step FROM runs GROUP BY rank),
+               arg_max(start, n) AS longest_run_from FROM runs GROUP BY rank),
 peak AS (SELECT rank, round(arg_max(score, abs(score)), 2) AS peak_score,
                 arg_max(step, abs(score)) AS peak_step, max(abs(score)) AS m FROM s GROUP BY rank)
 SELECT p.rank, coalesce(r.steps_over, 0) AS steps_over, coalesce(r.longest_run, 0) AS longest_run,
-       r.onset_step, p.peak_score, p.peak_step
+       r.longest_run_from, p.peak_score, p.peak_step
 FROM peak p LEFT JOIN per r USING (rank)
 ORDER BY steps_over DESC, longest_run DESC, p.m DESC, p.rank LIMIT $limit
 """
@@ -127,9 +127,8 @@ def top_ranks(con, job: str, metric: str, *, step_lo: int, step_hi: int,
 
     Ranked by persistence: the steps (of stored buckets, clipped to the range)
     whose |score| reached ``threshold``; a one-step spike weighs one step, a
-    straggler that lasts 90 steps weighs 90. ``onset_step`` is where the
-    longest unbroken run over the threshold starts (a stray noisy step before
-    the fault does not move it), ``peak_score`` the signed score of largest
+    straggler that lasts 90 steps weighs 90. ``longest_run_from`` is where
+    the longest unbroken run over the threshold starts, ``peak_score`` the signed score of largest
     magnitude and ``peak_step`` its step.
     """
     return con.execute(_TOP_RANKS_SQL, {

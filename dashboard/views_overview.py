@@ -15,7 +15,6 @@ from rankscope.dashboard.config import DashboardConfig
 
 __all__ = ["show_jobs", "show_findings", "show_heatmap", "open_finding"]
 
-ONSET_MIN_RUN = 3  # steps in a row over the threshold before a rank's onset is marked
 FILTERS = (  # session key, label, option name in queries.filter_options
     ("f_kind", "Kind", "kind"),
     ("f_host", "Host", "host"),
@@ -142,10 +141,10 @@ def show_heatmap(con, cfg: DashboardConfig, job: str) -> None:
     )
     top = queries.top_ranks(con, job, metric, step_lo=lo, step_hi=hi, limit=10,
                             threshold=cfg.persist_threshold)  # fmt: skip
-    onsets = top[top["longest_run"] >= ONSET_MIN_RUN]
+    onsets = queries.finding_onsets(con, job, step_lo=lo, step_hi=hi)
     st.altair_chart(charts.heatmap(cells, metric, onsets, bins.ranks_per_cell), width="stretch")
     st.subheader("Ranks longest away from their peers")
-    st.caption(f"Steps with |score| >= {cfg.persist_threshold:g} (persistence), the longest "
-               "unbroken run of them and where it starts (onset, a triangle on the map when "
-               f"{ONSET_MIN_RUN} steps or more), and the score of largest magnitude.")
+    st.caption(f"Ranked by the steps with |score| >= {cfg.persist_threshold:g} (persistence), "
+               "then the longest unbroken run of them; the score of largest magnitude and its "
+               "step. Triangles on the map: the first step of each finding at its ranks.")
     st.dataframe(top, hide_index=True, width="stretch", key="top_ranks")

@@ -108,8 +108,8 @@ def build_demo_store(tmp: Path) -> tuple[Path, dict]:
     """Replay the sample traces and the synthetic one into ``tmp/demo.duckdb``.
 
     Returns the path and, read back with plain SQL, ``jobs``, ``findings``
-    (count) and ``page_text``: what the front page must carry (the newest 20
-    findings' jobs, kinds and ids).
+    (count) and ``page_text``: what the front page must carry as text (every
+    job with a finding, each in its banner, with its worst finding's kind).
     """
     traces = [*sample_trace_dirs(), write_synthetic_trace(tmp / "synthetic"),
               write_sdc_trace(tmp / "synthetic-sdc")]
@@ -121,14 +121,15 @@ def build_demo_store(tmp: Path) -> tuple[Path, dict]:
         jobs = [r[0] for r in con.execute("SELECT DISTINCT job FROM findings ORDER BY job")
                 .fetchall()]
         n = con.execute("SELECT count(*) FROM findings").fetchone()[0]
-        newest = con.execute(
-            "SELECT job, kind, finding_id FROM findings "
-            "ORDER BY detected_t DESC, finding_id LIMIT 20"
+        worst = con.execute(
+            "SELECT job, arg_min(kind, (CASE action WHEN 'evict' THEN 0 WHEN 'recover' THEN 1 "
+            "ELSE 2 END, -detected_t)) FROM findings GROUP BY job"
         ).fetchall()
     finally:
         con.close()
     assert n > 0, "the replayed traces produced no findings"
-    text = ["Open findings", *sorted({x for row in newest for x in row})]
+    text = ["Open findings", *sorted({f"{job}: " for job, _ in worst}),
+            *sorted({kind for _, kind in worst})]
     return db, {"jobs": jobs, "findings": n, "page_text": text}
 
 

@@ -159,7 +159,7 @@ def test_heatmap_step_range_and_full_resolution(con):
     assert len(cells) == 8 * 10
     top = q.top_ranks(con, SYNTH_JOB, "compute_s", step_lo=30, step_hi=39, limit=3)
     assert top["rank"].iloc[0] == 5 and top["steps_over"].iloc[0] == 10
-    assert top["onset_step"].iloc[0] == 30  # clipped to the range asked for
+    assert top["longest_run_from"].iloc[0] == 30  # clipped to the range asked for
 
 
 def test_top_ranks_rank_by_persistence_not_by_a_one_step_peak(rw_con):
@@ -169,7 +169,7 @@ def test_top_ranks_rank_by_persistence_not_by_a_one_step_peak(rw_con):
         "WHEN r = 6 AND s >= 10 THEN 5.0 ELSE 0.2 END FROM range(8) t(r), range(100) u(s)")
     top = q.top_ranks(rw_con, "p", "compute_s", step_lo=0, step_hi=99, limit=3)
     assert list(top["rank"][:2]) == [6, 3]
-    assert list(top["steps_over"][:2]) == [90, 1] and top["onset_step"].iloc[0] == 10
+    assert list(top["steps_over"][:2]) == [90, 1] and top["longest_run_from"].iloc[0] == 10
     assert top["longest_run"].iloc[0] == 90
     assert top["peak_score"].iloc[1] == 40.0
     n = rw_con.execute("SELECT count(*) FROM scores WHERE job = 'p' AND rank = 6 AND "
