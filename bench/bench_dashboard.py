@@ -110,6 +110,7 @@ def views(store_path: Path) -> list[tuple[str, dict]]:
         ("Heatmap (all steps)", {"job": JOB}),
         ("Heatmap (steps 1000-1999)", {"job": JOB, "hm_steps": (1000, 1999)}),
         ("Finding", {"job": JOB, "finding": strag[0]}),
+        ("Rank (scores, no trace)", {"job": JOB, "rank": SLOW_RANKS[0]}),
         ("Host", {"job": JOB, "host": strag[1]}),
         ("Triage", {"job": JOB, "finding": strag[0]}),
     ]

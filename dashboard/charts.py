@@ -221,7 +221,7 @@ def gpu_events(df: pd.DataFrame) -> alt.Chart:
     """XIDs, ECC errors, temperature and throttle causes of GPU findings on a step axis."""
     return alt.Chart(df).mark_point(filled=True, size=90).encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
-        y=alt.Y("event:N", title=None),
+        y=alt.Y("event:N", title=None, axis=alt.Axis(labelLimit=320)),
         color=alt.Color("event:N", legend=None),
         tooltip=["step:Q", "gpu:N", "ranks:N", "event:N", "detail:N", "action:N"],
     ).properties(height=140, title="GPU events", autosize=_FIT_X)

@@ -15,6 +15,7 @@ from rankscope.dashboard.charts import KIND_COLORS
 __all__ = ["metric_band", "gpu_readings", "finding_spans"]
 
 _FIT_X = alt.AutoSizeParams(type="fit-x", contains="padding")
+_EVENT_COLORS = ["#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"] * 4
 _UNIT = {"step_s": "s", "compute_s": "s", "comm_s": "s", "data_s": "s"}
 
 
@@ -89,9 +90,11 @@ def gpu_readings(df: pd.DataFrame, reading: str, unit: str, rank: int,
     x = _x(axis)
     line = alt.Chart(d).mark_line(color="#4c78a8").encode(
         x=x, y=alt.Y("value:Q", title=f"{reading} ({unit})", scale=alt.Scale(zero=False)))
+    events = ["none", *sorted(set(d["clock_events"]) - {"none"})]
     pts = alt.Chart(d).mark_point(filled=True, size=30).encode(
         x=x, y="value:Q",
-        color=alt.Color("clock_events:N", title="throttle reasons"),
+        color=alt.Color("clock_events:N", title="throttle reasons", scale=alt.Scale(
+            domain=events, range=["#9e9e9e", *_EVENT_COLORS][:len(events)])),
         tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("value:Q", format=".4g", title=unit),
                  alt.Tooltip("clock_events:N", title="throttle reasons")],
     )  # fmt: skip

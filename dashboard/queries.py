@@ -380,6 +380,7 @@ def host_ranks(con, job: str, host: str, *, also=()) -> pd.DataFrame:
                              "last_step": None})  # fmt: skip
         found = pd.concat([found, none], ignore_index=True).sort_values("rank", ignore_index=True)
     found["findings"] = found["findings"].astype(int)
+    found["last_step"] = found["last_step"].astype("Int64")
     return found
 
 

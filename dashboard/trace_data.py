@@ -22,7 +22,7 @@ from rankscope.pipeline.traces.files import ReadReport, iter_records, read_meta
 __all__ = ["STEP_METRICS", "GPU_READINGS", "RankTimeline", "trace_path", "rank_timeline",
            "trace_hosts"]  # fmt: skip
 
-STEP_METRICS = ("step_s", "compute_s", "comm_s", "data_s")  # seconds, as the trace names them
+STEP_METRICS = ("compute_s", "comm_s", "data_s", "step_s")  # seconds, as the trace names them
 GPU_READINGS = {"temp_c": "°C", "power_w": "W", "sm_clock_mhz": "MHz"}
 
 
@@ -103,7 +103,7 @@ def _steps(rows: list[tuple], rank: int, max_steps: int) -> pd.DataFrame:
     df = df.drop_duplicates(["rank", "step"], keep="last")
     last = int(df["step"].max())
     df = df[df["step"] > last - max_steps]
-    mine = df[df["rank"] == rank].set_index("step")
+    mine = df[df["rank"] == rank].set_index("step").sort_index()
     peers = df[df["rank"] != rank]
     out = []
     for m in STEP_METRICS:
@@ -116,8 +116,7 @@ def _steps(rows: list[tuple], rank: int, max_steps: int) -> pd.DataFrame:
         else:
             part = part.assign(peer_p10=np.nan, peer_median=np.nan, peer_p90=np.nan)
         out.append(part)
-    return pd.concat(out, ignore_index=True)[cols].sort_values(["metric", "step"],
-                                                                ignore_index=True)
+    return pd.concat(out, ignore_index=True)[cols]  # metrics in STEP_METRICS order, steps sorted
 
 
 def _gpu(rows: list[dict], steps: pd.DataFrame) -> pd.DataFrame:

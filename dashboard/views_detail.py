@@ -141,15 +141,16 @@ def show_host(con, cfg: DashboardConfig, job: str) -> None:
         return
     if st.session_state.get("host") not in hosts:
         st.session_state["host"] = hosts[0]
+    head = st.container()
     host = st.selectbox("Host", hosts, key="host")
-    plain.title(f"Host {host}")
+    with head:
+        plain.title(f"Host {host}")
     st.subheader("Ranks")
     ranks = queries.host_ranks(con, job, host, also=[r for r, h in placed.items() if h == host])
     st.dataframe(ranks, hide_index=True, width="stretch", key="host_ranks")
     if placed:
         plain.text("Ranks placed on hosts by the job's trace; findings counted per rank.",
                    muted=True)  # fmt: skip
-    plain.text(" · ".join(f"rank {r}" for r in ranks["rank"][:16]), muted=True)
     st.subheader("Findings on this host")
     fh = queries.job_findings(con, job, hosts=[host])
     if fh.empty:

@@ -38,7 +38,7 @@ def _job_banner(job: str, found: list[dict], n_open: int) -> None:
     if worst is not None:
         links_html = plain.link("Open this finding", view="Finding", job=job,
                                 finding=worst["finding_id"])  # fmt: skip
-        links_html += " &middot; " + plain.link(f"All {n_open} open findings of this job",
+        links_html += " &middot; " + plain.link(f"All open findings of this job ({n_open})",
                                                 view="Findings", job=job)  # fmt: skip
         if len(found) > 1:
             nxt = headline.banner(found[1])

@@ -35,13 +35,15 @@ def show_rank(con, cfg: DashboardConfig, job: str) -> None:
         return
     if st.session_state.get("rank") not in ranks:
         st.session_state["rank"] = first if first in ranks else ranks[0]
+    head = st.container()
     c1, c2 = st.columns([1, 2])
     rank = c1.selectbox("Rank", ranks, key="rank")
     axis = c2.radio("X axis", list(AXES), format_func=AXES.get, key="tl_axis", horizontal=True)
     path = trace_data.trace_path(queries.job_source(con, job), cfg.db_path)
     host = (_hosts(str(path), job, _mtime(path)).get(rank) if path else None) or \
         queries.rank_host(con, job, rank)
-    plain.title(f"Rank {rank} of {job}" + (f" on host {host}" if host else ""))
+    with head:
+        plain.title(f"Rank {rank} of {job}" + (f" on host {host}" if host else ""))
     mine = queries.job_findings(con, job, ranks=[rank])
     if mine.empty:
         plain.banner("ok", [f"No findings name rank {rank}."])
