@@ -22,6 +22,8 @@ from rankscope.dashboard.views_detail import show_finding, show_host, show_triag
 from rankscope.dashboard.views_overview import show_findings, show_heatmap, show_jobs
 from rankscope.dashboard.views_rank import show_rank
 
+# Pages with the triage form do not re-run themselves: a re-run would race a person typing.
+NO_REFRESH = ("Finding", "Triage")
 VIEWS = {
     "Jobs": show_jobs,
     "Findings": show_findings,
@@ -95,9 +97,11 @@ def main() -> None:
             age = max(0.0, time.time() - snapshot_t)
             plain.text(f"A writer holds the store; showing a copy taken {age:.0f} s ago.",
                        muted=True)  # fmt: skip
-        every = _live(cfg)
+        every = _live(cfg) if view not in NO_REFRESH else None
         if every:
             plain.text(f"Refreshing every {every:g} s.", muted=True)
+        elif view in NO_REFRESH and cfg.refresh_s:
+            plain.text("Auto-refresh paused on this page (it has the triage form).", muted=True)
         elif cfg.refresh_s:
             plain.text(f"Auto-refresh off: the store is over {cfg.live_max_mb:g} MB.", muted=True)
         st.button("Refresh")

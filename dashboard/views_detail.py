@@ -176,7 +176,8 @@ def show_triage(con, cfg: DashboardConfig, job: str) -> None:
     f = _pick_finding(con, job)
     if f is None:
         return
-    plain.text(f"{f['kind']} on ranks {f['ranks']} (hosts {', '.join(f['hosts'])}), "
+    ranks = " ".join(map(str, f["ranks"])) or "none"
+    plain.text(f"{f['kind']} on ranks {ranks} (hosts {', '.join(f['hosts'])}), "
                f"steps {f['first_step']}-{f['last_step']}, action {f['action']}.", muted=True)
     _triage_form(cfg, f)
     st.subheader("Triage so far")

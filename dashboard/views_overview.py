@@ -30,27 +30,30 @@ def open_finding(finding_id: str) -> None:
     st.session_state["view"] = "Finding"
 
 
-def _job_banner(job: str, found: list[dict], n_open: int) -> None:
-    worst = found[0] if found else None
-    b = headline.banner(worst)
-    lines = [f"{job}: {b.headline}", b.evidence, f"What to do: {b.todo}"]
-    links_html = ""
-    if worst is not None:
+BANNERS_PER_JOB = 3  # open findings of one job with their own banner on the first screen
+
+
+def _job_banners(job: str, found: list[dict], n_open: int) -> None:
+    """One banner per open finding of the job (worst first), then a link to the rest."""
+    for f in found[:BANNERS_PER_JOB]:
+        b = headline.banner(f)
         links_html = plain.link("Open this finding", view="Finding", job=job,
-                                finding=worst["finding_id"])  # fmt: skip
-        links_html += " &middot; " + plain.link(f"All open findings of this job ({n_open})",
-                                                view="Findings", job=job)  # fmt: skip
-        if len(found) > 1:
-            nxt = headline.banner(found[1])
-            lines.append(f"Next: {nxt.headline}")
-    plain.banner(b.level, lines, links_html)
+                                finding=f["finding_id"])  # fmt: skip
+        if f["ranks"]:
+            links_html += " &middot; " + plain.link(f"Rank {f['ranks'][0]} timeline",
+                                                    view="Rank", job=job, rank=f["ranks"][0])
+        plain.banner(b.level, [f"{job}: {b.headline}", b.evidence, f"What to do: {b.todo}"],
+                     links_html)  # fmt: skip
+    if n_open > BANNERS_PER_JOB:
+        st.html(plain.link(f"{job}: {n_open - BANNERS_PER_JOB} more open findings",
+                           view="Findings", job=job))  # fmt: skip
 
 
 def show_jobs(con, cfg: DashboardConfig, job: str) -> None:
     st.title("Jobs")
     now = time.time()
     jobs = queries.jobs_overview(con, now_t=now, recent_s=cfg.recent_window_s)
-    worst = queries.open_by_severity(con, per_job=2)
+    worst = queries.open_by_severity(con, per_job=BANNERS_PER_JOB)
     n_open = dict(zip(jobs["job"], jobs["open_findings"], strict=True))
     order = sorted(worst, key=lambda j: (
         headline.ACTION_ORDER.get(worst[j][0]["action"], 3) if worst[j] else 9,
@@ -59,7 +62,7 @@ def show_jobs(con, cfg: DashboardConfig, job: str) -> None:
     st.subheader(f"{len(bad)} of {len(order)} jobs need attention, worst first"
                  if bad else "Every job looks healthy")  # fmt: skip
     for j in bad:
-        _job_banner(j, worst[j], int(n_open.get(j, len(worst[j]))))
+        _job_banners(j, worst[j], int(n_open.get(j, len(worst[j]))))
     healthy = [j for j in order if not worst[j]]
     if healthy:
         plain.banner("ok", [f"Healthy (no open findings): {', '.join(healthy)}"])

@@ -1,181 +1,34 @@
-"""End to end: `rankscope dashboard` serves the demo job's findings to a real headless Chromium.
+"""End to end: `rankscope dashboard` over the replayed demo store, in a real headless Chromium.
 
-Streamlit draws its page over a websocket after the HTML loads, so a one-shot
-`--dump-dom` sees an empty shell as often as not. The test drives Chromium
-through the DevTools protocol instead (the `websockets` client Streamlit
-already depends on): open each view by its URL, poll the page's text until
-what it must say is there, then take a screenshot. Screenshots are kept under
-tmp_path and, when RANKSCOPE_SCREENSHOT_DIR is set, copied there for a person
-to look at. A second store with hostile job and host names checks that they
-are shown as written and that the browser fetches nothing they name.
+Each view is opened by its URL (the deep links the pages write), checked for
+what it must say, and photographed (browser_support.py says how, and where
+the screenshots go). A second store with hostile job and host names checks
+that they are shown as written and that the browser fetches nothing they name.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import itertools
-import json
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
-from urllib.parse import urlencode
 
 import pytest
+from browser_support import (
+    CHROMIUM,
+    Dashboard,
+    DevTools,
+    evaluate,
+    keep_screenshots,
+    open_page,
+    shot,
+)
 from support.dashboard_store import SDC_JOB, SYNTH_JOB, shared_demo_store
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 STRAGGLER_JOB = "sample-straggler-1.6x"
 EVIL_URL = "http://127.0.0.1:9/evil.png"
 HOSTILE_JOB = f"job![x]({EVIL_URL})**bold**"
 HOSTILE_HOST = f'<img src="{EVIL_URL}" onerror="window.__pwned=1">node'
-
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} did not answer within {timeout_s} s")
-
-
-class DevTools:
-    """The few DevTools protocol calls the test needs, over one page's websocket."""
-
-    def __init__(self, profile: Path) -> None:
-        from websockets.sync.client import connect
-
-        self.proc = subprocess.Popen(
-            [
-                CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-                "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-port=0",
-                f"--user-data-dir={profile}", "--window-size=1400,1100", "about:blank",
-            ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        browser_ws = None
-        for line in self.proc.stderr:  # Chromium prints its DevTools address on start
-            m = re.search(r"DevTools listening on (ws://\S+)", line)
-            if m:
-                browser_ws = m.group(1)
-                break
-        assert browser_ws, "Chromium did not print its DevTools address"
-        port = browser_ws.split("//", 1)[1].split("/", 1)[0]
-        with urllib.request.urlopen(f"http://{port}/json/list", timeout=5) as resp:
-            targets = json.load(resp)
-        page = next(t for t in targets if t["type"] == "page")
-        self._stack = contextlib.ExitStack()
-        self.ws = self._stack.enter_context(
-            connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
-        )
-        self._ids = itertools.count(1)
-
-    def call(self, method: str, **params) -> dict:
-        msg_id = next(self._ids)
-        self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv(timeout=30))
-            if msg.get("id") == msg_id:
-                if "error" in msg:
-                    raise AssertionError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-
-    def text(self) -> str:
-        r = self.call("Runtime.evaluate", expression="document.body ? document.body.innerText : ''",
-                      returnByValue=True)
-        return r.get("result", {}).get("value") or ""
-
-    def close(self) -> None:
-        try:
-            self._stack.close()
-        finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-class Dashboard:
-    """`rankscope dashboard` on a free port over one store, stopped with its process group."""
-
-    def __init__(self, db: Path) -> None:
-        self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rankscope.pipeline.cli", "dashboard", "--db", str(db),
-             "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        _wait_http(f"http://localhost:{self.port}/_stcore/health", timeout_s=60)
-
-    def url(self, **params) -> str:
-        return f"http://localhost:{self.port}/" + (f"?{urlencode(params)}" if params else "")
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def _open(browser: DevTools, url: str, want: list[str], timeout_s: float = 60) -> str:
-    """Navigate and poll the page text until every string in ``want`` is on it."""
-    browser.call("Page.navigate", url=url)
-    deadline = time.monotonic() + timeout_s
-    text = ""
-    while time.monotonic() < deadline:
-        text = browser.text()
-        if all(s in text for s in want) and "Running..." not in text:
-            return text
-        time.sleep(0.5)
-    missing = [s for s in want if s not in text]
-    raise AssertionError(f"{url}: not on the page: {missing}\n--- page text ---\n{text[:3000]}")
-
-
-def _shot(browser: DevTools, out: Path, name: str) -> Path:
-    time.sleep(2.0)  # let the charts finish drawing before the picture
-    shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
-    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
-    path = out / f"{name}.png"
-    path.write_bytes(shot)
-    return path
-
-
-def _eval(browser: DevTools, js: str):
-    r = browser.call("Runtime.evaluate", expression=js, returnByValue=True)
-    return r["result"].get("value")
-
-
-def _keep(paths: list[Path]) -> None:
-    keep = os.environ.get("RANKSCOPE_SCREENSHOT_DIR")
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        for p in paths:
-            shutil.copy(p, Path(keep) / p.name)
 
 
 def _pages(db: Path) -> list[tuple[str, dict, list[str]]]:
@@ -226,24 +79,24 @@ def test_every_view_in_chromium_with_a_screenshot(tmp_path, tmp_path_factory):
         browser.call("Emulation.setDeviceMetricsOverride", width=1400, height=2400,
                      deviceScaleFactor=1, mobile=False)  # fmt: skip
         for name, params, want in _pages(db):
-            text = _open(browser, server.url(**params), want)
+            text = open_page(browser, server.url(**params), want)
             if name == "1-jobs":
                 assert all(s in text for s in expected["page_text"])
-            shots.append(_shot(browser, out, name))
+            shots.append(shot(browser, out, name))
             # The address bar carries the page: a copied link opens the same view.
-            search = _eval(browser, "window.location.search")
+            search = evaluate(browser, "window.location.search")
             assert f"view={params.get('view', 'Jobs')}" in search, search
         # A banner's link opens its finding (a new session seeded from the URL).
-        _open(browser, server.url(), ["Open this finding"])
-        _eval(browser, "[...document.querySelectorAll('a')].find(a => a.textContent === "
+        open_page(browser, server.url(), ["Open this finding"])
+        evaluate(browser, "[...document.querySelectorAll('a')].find(a => a.textContent === "
                        "'Open this finding').click()")  # fmt: skip
         deadline = time.monotonic() + 30
-        while "view=Finding" not in (_eval(browser, "window.location.search") or ""):
+        while "view=Finding" not in (evaluate(browser, "window.location.search") or ""):
             assert time.monotonic() < deadline, "the banner's link did not open a finding"
             time.sleep(0.3)
-        _open(browser, _eval(browser, "window.location.href"), ["What to do:", "Evidence"])
+        open_page(browser, evaluate(browser, "window.location.href"), ["What to do:", "Evidence"])
     finally:
-        _keep(shots)
+        keep_screenshots(shots)
         if browser is not None:
             browser.close()
         server.stop()
@@ -278,17 +131,17 @@ def test_hostile_names_are_text_and_fetch_nothing(tmp_path):
              ["GPU health"]),
             ("hostile-finding", {"view": "Finding", "job": HOSTILE_JOB}, ["rank 1 on host"]),
         ):  # fmt: skip
-            text = _open(browser, server.url(**params), want)
+            text = open_page(browser, server.url(**params), want)
             assert f"Host {HOSTILE_HOST}" in text or name != "hostile-host"
             assert HOSTILE_HOST in text  # the name as written, not an image
-            shots.append(_shot(browser, tmp_path, name))
-            fetched = _eval(browser, "performance.getEntriesByType('resource')"
+            shots.append(shot(browser, tmp_path, name))
+            fetched = evaluate(browser, "performance.getEntriesByType('resource')"
                                      ".map(e => e.name).filter(n => n.includes('evil'))")
             assert fetched == [], fetched
-            assert _eval(browser, "document.querySelectorAll('img[src*=evil]').length") == 0
-            assert _eval(browser, "window.__pwned === undefined") is True
+            assert evaluate(browser, "document.querySelectorAll('img[src*=evil]').length") == 0
+            assert evaluate(browser, "window.__pwned === undefined") is True
     finally:
-        _keep(shots)
+        keep_screenshots(shots)
         if browser is not None:
             browser.close()
         server.stop()

@@ -112,8 +112,9 @@ def test_jobs_view_shows_health_of_every_job(db, built):
     shown = banners(at)
     order = {"error": 0, "warning": 1, "info": 2, "ok": 3}
     assert [order[lv] for lv, _ in shown] == sorted(order[lv] for lv, _ in shown)
-    bad_jobs = {r[0] for r in sql(db, "SELECT DISTINCT job FROM findings")}
-    assert len([b for b in shown if b[0] != "ok"]) == len(bad_jobs)
+    per_job = sql(db, "SELECT sum(least(n, 3)) FROM (SELECT count(*) AS n FROM findings "
+                      "GROUP BY job)")[0][0]  # every open finding up to 3 a job has a banner
+    assert len([b for b in shown if b[0] != "ok"]) == per_job
     synth = next(t for _, t in shown if t.lstrip(" |").startswith(f"{SYNTH_JOB}:"))
     assert "rank 5 on host gpuhost1" in synth and "EVICT" in synth
     assert "What to do: drain host gpuhost1" in synth and "Open this finding" in synth
