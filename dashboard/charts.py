@@ -73,7 +73,9 @@ def findings_timeline(df: pd.DataFrame) -> alt.Chart:
         # One labelled row per rank; findings of several kinds on a rank share its row,
         # side by side inside it (the label stays the rank's own, at the row's middle).
         y = alt.Y("row:O", title="rank (lowest affected)", sort=rows)
-        split = {"yOffset": alt.YOffset("kind:N", scale=alt.Scale(domain=list(LABEL_KINDS)))}
+        kinds = set(data["kind"])
+        present = [k for k in LABEL_KINDS if k in kinds] + sorted(kinds - set(LABEL_KINDS))
+        split = {"yOffset": alt.YOffset("kind:N", scale=alt.Scale(domain=present))}
         bar = base.mark_bar(opacity=0.85)
     else:  # too many ranks for a row each: a rank axis, bars at their rank exactly
         y = alt.Y("row:Q", title="rank (lowest affected)", axis=alt.Axis(format="d"),
