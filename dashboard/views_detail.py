@@ -139,8 +139,10 @@ def show_host(con, cfg: DashboardConfig, job: str) -> None:
         st.title("Host")
         plain.text(f"No hosts known for job {job}.")
         return
-    if st.session_state.get("host") not in hosts:
-        st.session_state["host"] = hosts[0]
+    if st.session_state.get("host") not in hosts:  # first: the worst open finding's host
+        worst = queries.open_by_severity(con, per_job=1).get(job) or [{}]
+        first = (worst[0].get("hosts") or [None])[0]
+        st.session_state["host"] = first if first in hosts else hosts[0]
     head = st.container()
     host = st.selectbox("Host", hosts, key="host")
     with head:
