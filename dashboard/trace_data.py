@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from rankscope.pipeline.traces.files import ReadReport, iter_records, read_meta
+from rankscope.pipeline.traces.files import ReadReport, iter_records, read_meta, trace_files
 
 __all__ = ["STEP_METRICS", "GPU_READINGS", "RankTimeline", "trace_path", "rank_timeline",
            "trace_hosts"]  # fmt: skip
@@ -37,16 +37,19 @@ class RankTimeline:
 
 
 def trace_path(source: str | None, db_path: str | Path) -> Path | None:
-    """Where a job's trace lies: its replayed path, or the demo's ``trace/`` beside the store."""
-    if source:
-        p = Path(source)
-        if (p.is_dir() or p.is_file()) and not source.startswith(("kafka", "embedded://")):
-            return p
-        if source.startswith("embedded://"):
-            beside = Path(db_path).resolve().parent / "trace"
-            if beside.is_dir():
-                return beside
-    return None
+    """Where a job's trace lies: its replayed path, or the demo's ``trace/`` beside the store.
+
+    Only a path that holds trace record files counts (a source such as
+    ``bench`` must not pick up a folder of that name).
+    """
+    if not source or source == "kafka":
+        return None
+    p = Path(db_path).resolve().parent / "trace" if source.startswith("embedded://") \
+        else Path(source)
+    try:
+        return p if trace_files(p) else None
+    except (OSError, ValueError):  # missing, or not a trace file
+        return None
 
 
 def trace_hosts(path: Path, job: str) -> dict[int, str]:

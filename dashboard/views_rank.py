@@ -53,10 +53,10 @@ def show_rank(con, cfg: DashboardConfig, job: str) -> None:
             plain.banner(b.level, [b.headline, b.evidence, f"What to do: {b.todo}"],
                          plain.link("Open this finding", view="Finding", job=job,
                                     finding=f["finding_id"]))  # fmt: skip
-    if path is None:
+    tl = _timeline(str(path), job, rank, cfg.timeline_max_steps, _mtime(path)) if path else None
+    if tl is None or tl.steps.empty:
         _scores_fallback(con, cfg, job, rank, mine)
         return
-    tl = _timeline(str(path), job, rank, cfg.timeline_max_steps, _mtime(path))
     plain.text(f"Readings from the trace {path}" + "".join(f"; {n}" for n in tl.notes) + ".",
                muted=True)  # fmt: skip
     spans = charts_timeline.finding_spans(mine, tl.steps)
@@ -98,9 +98,9 @@ def host_ranks_from_trace(path: Path | None, job: str) -> dict[int, str]:
 
 
 def _scores_fallback(con, cfg: DashboardConfig, job: str, rank: int, mine) -> None:
-    plain.text("The store does not say where this job's trace is (a job from serve): showing "
-               "the rank's consensus scores against the other ranks' band instead of raw "
-               "readings.", muted=True)  # fmt: skip
+    plain.text("No trace of this job's records is at hand (a job from serve, or a trace that "
+               "moved): showing the rank's consensus scores against the other ranks' band "
+               "instead of raw readings.", muted=True)  # fmt: skip
     ext = None
     for metric in queries.score_metrics(con, job):
         ext = queries.score_extent(con, job, metric)

@@ -135,7 +135,7 @@ def test_a_job_without_a_trace_shows_scores_against_the_band(db):
     con.execute("UPDATE jobs SET source = 'kafka' WHERE job = ?", [SYNTH_JOB])
     con.close()
     at = app(view="Rank", job=SYNTH_JOB, rank="5")
-    assert any("does not say where this job's trace is" in t for t in texts(at))
+    assert any("No trace of this job's records is at hand" in t for t in texts(at))
     assert len(at.get("vega_lite_chart")) >= 2
     fid = duckdb.connect(str(db), read_only=True).execute(
         "SELECT finding_id FROM findings WHERE job = ? AND kind = 'straggler'", [SYNTH_JOB]
