@@ -193,3 +193,38 @@ def test_live_refresh_is_on_for_small_stores_and_off_for_big_ones(db, monkeypatc
     cfg = DashboardConfig(refresh_s=5, live_max_mb=100)
     assert cfg.live_every_s(10_000_000) == 5 and cfg.live_every_s(200_000_000) is None
     assert cfg.live_every_s(None) is None and DashboardConfig(refresh_s=0).live_every_s(1) is None
+
+
+def test_trace_path_only_where_trace_records_are(tmp_path):
+    from rankscope.dashboard.trace_data import trace_path
+    from support.paths import SAMPLE_TRACES
+
+    (tmp_path / "bench").mkdir()  # a folder named like a job's source, with no records
+    (tmp_path / "bench" / "notes.txt").write_text("not a trace")
+    assert trace_path(str(tmp_path / "bench"), tmp_path / "x.duckdb") is None
+    assert trace_path("kafka", tmp_path / "x.duckdb") is None and trace_path(None, "x") is None
+    sample = SAMPLE_TRACES / "straggler-1.6x"
+    assert trace_path(str(sample), tmp_path / "x.duckdb") == sample
+    (tmp_path / "trace").mkdir()
+    assert trace_path("embedded://demo", tmp_path / "x.duckdb") is None  # empty trace/
+    shutil.copy(next(sample.glob("rank*.jsonl.gz")), tmp_path / "trace" / "records.jsonl.gz")
+    assert trace_path("embedded://demo", tmp_path / "x.duckdb") == (tmp_path / "trace").resolve()
+
+
+def test_sdc_and_hang_evidence_are_tables_not_a_collapsed_dict(db):
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    sdc, hang = (con.execute("SELECT finding_id FROM findings WHERE job = ? AND kind = ?",
+                             [job, kind]).fetchone()[0]  # fmt: skip
+                 for job, kind in ((SDC_JOB, "sdc"), ("sample-hang", "hang")))
+    con.close()
+    at = app(view="Finding", job=SDC_JOB, finding=sdc)
+    votes = next(d.value for d in at.dataframe if "replicas" in d.value)
+    assert sorted(votes["replicas"]) == [1, 7]
+    assert votes.loc[votes["replicas"] == 1, "ranks"].iloc[0] == "2"  # the diverged replica
+    at = app(view="Finding", job="sample-hang", finding=hang)
+    waits = next(d.value for d in at.dataframe if "waits for ranks" in d.value)
+    assert len(waits) == 7 and set(waits["waits for ranks"]) == {"3"}
+    culprit = next(d.value for d in at.dataframe if "why blamed" in d.value)
+    assert culprit["op"].iloc[0] == "allreduce" and "never entered" in culprit["why blamed"].iloc[0]
