@@ -15,6 +15,8 @@ from rankscope.dashboard.config import DashboardConfig
 
 __all__ = ["show_jobs", "show_findings", "show_heatmap", "open_finding"]
 
+BANNERS_PER_JOB = 3  # open findings of one job with their own banner on the first screen
+BANNER_JOBS = 25  # jobs with banners; the jobs table below lists every job
 FILTERS = (  # session key, label, option name in queries.filter_options
     ("f_kind", "Kind", "kind"),
     ("f_host", "Host", "host"),
@@ -28,9 +30,6 @@ def open_finding(finding_id: str) -> None:
     """Button callback: show one finding's detail page."""
     st.session_state["finding"] = finding_id
     st.session_state["view"] = "Finding"
-
-
-BANNERS_PER_JOB = 3  # open findings of one job with their own banner on the first screen
 
 
 def _job_banners(job: str, found: list[dict], n_open: int) -> None:
@@ -61,8 +60,10 @@ def show_jobs(con, cfg: DashboardConfig, job: str) -> None:
     bad = [j for j in order if worst[j]]
     st.subheader(f"{len(bad)} of {len(order)} jobs need attention, worst first"
                  if bad else "Every job looks healthy")  # fmt: skip
-    for j in bad:
+    for j in bad[:BANNER_JOBS]:
         _job_banners(j, worst[j], int(n_open.get(j, len(worst[j]))))
+    if len(bad) > BANNER_JOBS:
+        plain.text(f"{len(bad) - BANNER_JOBS} more jobs need attention: see the jobs table below.")
     healthy = [j for j in order if not worst[j]]
     if healthy:
         plain.banner("ok", [f"Healthy (no open findings): {', '.join(healthy)}"])
