@@ -8,6 +8,7 @@ that they are shown as written and that the browser fetches nothing they name.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -91,10 +92,13 @@ def test_every_view_in_chromium_with_a_screenshot(tmp_path, tmp_path_factory):
         evaluate(browser, "[...document.querySelectorAll('a')].find(a => a.textContent === "
                        "'Open this finding').click()")  # fmt: skip
         deadline = time.monotonic() + 30
-        while "view=Finding" not in (evaluate(browser, "window.location.search") or ""):
+        href = ""
+        while "view=Finding" not in href:
             assert time.monotonic() < deadline, "the banner's link did not open a finding"
             time.sleep(0.3)
-        open_page(browser, evaluate(browser, "window.location.href"), ["What to do:", "Evidence"])
+            with contextlib.suppress(AssertionError):  # "target navigated" while it loads
+                href = evaluate(browser, "window.location.href") or ""
+        open_page(browser, href, ["What to do:", "Evidence"])
     finally:
         keep_screenshots(shots)
         if browser is not None:
