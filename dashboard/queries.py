@@ -62,10 +62,14 @@ def job_names(con) -> list[str]:
 
 def jobs_overview(con, *, now_t: float, recent_s: float) -> pd.DataFrame:
     """One row per job: health (open findings by kind), last step seen, ranks, hosts, recent."""
-    jobs = _df(
+    have = {r[0] for r in con.execute("DESCRIBE jobs").fetchall()}
+    loss = [c for c in _LOSS_COLUMNS if c in have]  # a store before migration 2 has none
+    jobs = _df(  # column names come from _LOSS_COLUMNS, never from the store
         con,
-        "SELECT j.job, j.world, j.hosts, j.last_step, j.last_t FROM jobs j "
-        "UNION ALL SELECT DISTINCT f.job, NULL, NULL, NULL, NULL FROM findings f "
+        "SELECT j.job, j.world, j.hosts, j.last_step, j.last_t"  # noqa: S608
+        + "".join(f", j.{c}" for c in loss) + " FROM jobs j "
+        "UNION ALL SELECT DISTINCT f.job, NULL, NULL, NULL, NULL"
+        + ", NULL" * len(loss) + " FROM findings f "
         "WHERE f.job NOT IN (SELECT job FROM jobs)",
     )
     by_kind = _df(
@@ -99,10 +103,25 @@ def jobs_overview(con, *, now_t: float, recent_s: float) -> pd.DataFrame:
             "ranks": None if pd.isna(j.world) else int(j.world),
             "hosts": None if pd.isna(j.hosts) else int(j.hosts),
             "findings_last_hour": int(recent_n.get(j.job, 0)),
+            "lost": _loss_text({c: getattr(j, c) for c in loss}),
         })  # fmt: skip
     cols = ["job", "health", "open_findings", "last_step", "last_seen", "ranks", "hosts",
-            "findings_last_hour"]  # fmt: skip
+            "findings_last_hour", "lost"]  # fmt: skip
     return pd.DataFrame(rows, columns=cols).sort_values("job", ignore_index=True)
+
+
+# What a job's telemetry lost on the way (store migration 2): words for each count.
+_LOSS_COLUMNS = {
+    "late": "late records", "forced": "steps closed early", "partial_frames": "partial steps",
+    "refused": "records refused", "dropped": "dropped by collectors",
+}
+
+
+def _loss_text(counts: dict) -> str:
+    """'none', or the non-zero loss counts in words ('3 late records, 823 dropped by ...')."""
+    parts = [f"{int(n):,} {_LOSS_COLUMNS[c]}" for c, n in counts.items()
+             if n is not None and not pd.isna(n) and int(n) > 0]  # fmt: skip
+    return ", ".join(parts) if parts else ("none" if counts else "not recorded")
 
 
 def latest_open_findings(con, *, limit: int = 20) -> pd.DataFrame:

@@ -260,3 +260,18 @@ def test_open_findings_worst_action_first_then_newest(con):
     assert list(latest["action"].map(order)) == sorted(latest["action"].map(order))
     assert q.job_world(con, SYNTH_JOB) == 8 and q.rank_host(con, SYNTH_JOB, 5) == "gpuhost1"
     assert q.rank_host(con, SYNTH_JOB, 0) is None
+
+
+def test_jobs_overview_says_what_telemetry_lost(tmp_path):
+    from rankscope.pipeline.store import Store
+
+    with Store(tmp_path / "loss.duckdb") as s:
+        s.record_job({"job": "lossy", "world": 4, "hosts": 1, "last_step": 9, "frames": 10,
+                      "last_t": 1.0, "late": 3, "forced": 0, "partial_frames": 2,
+                      "refused": 0, "dropped": 823})  # fmt: skip
+        s.record_job({"job": "clean", "world": 4, "hosts": 1, "last_step": 9, "frames": 10,
+                      "last_t": 1.0, "late": 0, "forced": 0, "partial_frames": 0,
+                      "refused": 0, "dropped": 0})  # fmt: skip
+        jobs = q.jobs_overview(s.con, now_t=2.0, recent_s=60).set_index("job")
+    assert jobs.loc["lossy", "lost"] == "3 late records, 2 partial steps, 823 dropped by collectors"
+    assert jobs.loc["clean", "lost"] == "none"
