@@ -21,8 +21,11 @@ completion callback, or is taken from the loop's own ``clip_grad_norm_``
 (``collectors/rank/clip_patch.py``); conversions that could wait for a device,
 hashing and serialization happen on the sender thread. The collector times
 its own code as it runs (``rc.self_time``; docs/collectors.md has measured
-figures). No hook ever raises into training: a failure of the collector's
-own bookkeeping is logged at debug level and the step goes on.
+figures). FSDP2/HSDP, DTensor tensor parallel and ``torch.compile`` wrappers are
+found at attach (``collectors/rank/wrappers.py``), which says at WARNING what
+it cannot collect there. No hook ever raises into training: a failure of the
+collector's own bookkeeping is counted per part and said once at WARNING
+(``collectors/rank/faults.py``); the step record still goes out.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ from rankscope.collectors.rank.config import CollectorConfig
 from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook
 from rankscope.collectors.rank.digest_worker import make_digester
 from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
-from rankscope.collectors.rank.grad_stats import clip_norm_stats, grads_norm_stats
+from rankscope.collectors.rank.faults import Faults
+from rankscope.collectors.rank.fsdp import ReduceScatterTap
+from rankscope.collectors.rank.funcol_wrap import FuncolPatch
+from rankscope.collectors.rank.grad_fallback import fallback_grad_stats
 from rankscope.collectors.rank.self_time import SelfTime
 from rankscope.collectors.rank.step_record import build_step_record
 from rankscope.collectors.rank.step_state import StepState
 from rankscope.collectors.rank.topology import Identity, resolve_identity
+from rankscope.collectors.rank.wrappers import LoopShape, inspect_model
 from rankscope.collectors.sinks.factory import make_sink
 from rankscope.collectors.sinks.sender import Sender, SenderStats
 
@@ -66,6 +73,7 @@ class RankCollector:
         config: CollectorConfig,
         params: list[torch.Tensor],
         control: Any = None,
+        shape: LoopShape | None = None,
     ) -> None:
         self.job = job
         self.identity = identity
@@ -73,11 +81,14 @@ class RankCollector:
         self.control = control  # evict/recover channel; wired by the control-plane code
         self._sender = sender
         self._params = params
+        self._shape = shape
+        self._faults = Faults()
         self.state = StepState()
         self._self_time = SelfTime()
         self._handles: list[Any] = []
         self._hook_ctx: HookContext | None = None
         self._dist_patch: DistPatch | None = None
+        self._funcol_patch: FuncolPatch | None = None
         self._clip_patch: ClipPatch | None = None
         self._beat: BeatThread | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -93,6 +104,8 @@ class RankCollector:
             "host": identity.host,
         }
         base.update(identity.coords)
+        if shape is not None and shape.layout is not None and shape.layout.shard is not None:
+            base["shard"] = shape.layout.shard  # replicas are the dp peers of equal shard
         self._base = base
 
     # ------------------------------------------------------------------ attach
@@ -133,11 +146,26 @@ class RankCollector:
         }
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
+        params = list(model.parameters())
+        shape = inspect_model(model, params)
         try:
-            ident = resolve_identity(rank=rank, world=world, host=host, topology=topology)
+            ident = resolve_identity(
+                rank=rank,
+                world=world,
+                host=host,
+                topology=topology,
+                dp_groups=shape.dp_groups,
+                mesh=shape.mesh,
+            )
         except ValueError as exc:
             raise ValueError(f"RankCollector.attach: {exc}") from None
-        is_ddp = callable(getattr(model, "register_comm_hook", None))
+        if ident.assumed:
+            log.warning(
+                "rankscope collector: DeviceMesh without dimension names: %s; pass "
+                "topology='dp=..,tp=..' or name the mesh dimensions to say otherwise",
+                "; ".join(ident.assumed),
+            )
+        is_ddp = shape.ddp
         if comm_hook is not None and not is_ddp:
             raise ValueError("RankCollector.attach: comm_hook given but the model is not DDP")
         try:
@@ -157,8 +185,9 @@ class RankCollector:
             identity=ident,
             sender=sender,
             config=cfg,
-            params=list(model.parameters()),
+            params=params,
             control=control,
+            shape=shape,
         )
         try:
             rc._install(model, optimizer, is_ddp, comm_hook, comm_state)
@@ -172,16 +201,17 @@ class RankCollector:
         st = self.state
         self._handles.append(model.register_forward_pre_hook(self._on_forward_pre))
         self._handles.append(model.register_forward_hook(self._on_forward_post))
+        ddp_model = getattr(model, "_orig_mod", model)  # under a torch.compile wrapper
         if is_ddp:
             ctx = HookContext(
                 st,
                 self.config.ddp_group_name,
                 comm_hook,
                 comm_state,
-                getattr(model, "process_group", None),
+                getattr(ddp_model, "process_group", None),
             )
             try:
-                model.register_comm_hook(None, make_ddp_hook(ctx))
+                ddp_model.register_comm_hook(None, make_ddp_hook(ctx))
             except RuntimeError as exc:
                 raise ValueError(
                     "RankCollector.attach: could not register the DDP communication hook "
@@ -189,7 +219,7 @@ class RankCollector:
                 ) from None
             ctx.self_time = self._self_time
             self._hook_ctx = ctx
-        if self.config.digest_every_steps:
+        if self.config.digest_every_steps and (self._shape is None or self._shape.digest):
             self._digester = make_digester(
                 self._params,
                 background=self.config.digest_in_background,
@@ -200,8 +230,18 @@ class RankCollector:
             self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
         groups = {id(g): name for name, g in self.identity.groups.items()}
-        self._dist_patch = DistPatch(st, lambda g: group_label(g, groups), threading.get_ident())
+        label = lambda g: group_label(g, groups)  # noqa: E731
+        me = threading.get_ident()
+        taps = {}
+        if self._shape is not None and self._shape.fsdp is not None:
+            taps["reduce_scatter_single"] = ReduceScatterTap(
+                st, self._shape.fsdp.shard, self._faults
+            )
+        self._dist_patch = DistPatch(st, label, me, taps=taps, faults=self._faults)
         self._dist_patch.install()
+        if self._shape is not None and self._shape.dtensor:
+            self._funcol_patch = FuncolPatch(st, label, me, self._faults)
+            self._funcol_patch.install()
         self._clip_patch = ClipPatch(st, self._params, threading.get_ident())
         self._clip_patch.install()
         st.step_start_perf = time.perf_counter()
@@ -231,6 +271,11 @@ class RankCollector:
         return self._self_time.copy()
 
     @property
+    def faults(self) -> dict[str, int]:
+        """Failures of the collector's own code by part (each said once at WARNING)."""
+        return self._faults.snapshot()
+
+    @property
     def stats(self) -> SenderStats:
         """Sender counters: enqueued, sent, dropped (queue full / failed sends), errors."""
         return self._sender.stats
@@ -246,7 +291,7 @@ class RankCollector:
             else:
                 self.state.loss = value
         except Exception as exc:
-            log.debug("loss() failed: %s", exc)
+            self._faults.hit("loss()", exc)
         self._self_time.hooks_s += time.perf_counter() - t0
 
     def tokens(self, count: int) -> None:
@@ -256,7 +301,7 @@ class RankCollector:
             self.state.tokens = int(count)
             self._tokens_reported = True
         except Exception as exc:
-            log.debug("tokens() failed: %s", exc)
+            self._faults.hit("tokens()", exc)
 
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary (loops without an optimizer hook); with an optimizer
@@ -272,7 +317,7 @@ class RankCollector:
             self._fallback_grad_stats()
             self._boundary()
         except Exception as exc:
-            log.debug("step() failed: %s", exc)
+            self._faults.hit("step()", exc)
         self._control_boundary(t0)
 
     def close(self) -> None:
@@ -291,6 +336,8 @@ class RankCollector:
                 self._hook_ctx.active = False
             if self._dist_patch is not None:
                 self._dist_patch.uninstall()
+            if self._funcol_patch is not None:
+                self._funcol_patch.uninstall()
             if self._clip_patch is not None:
                 self._clip_patch.uninstall()
             if self._beat is not None:
@@ -301,7 +348,7 @@ class RankCollector:
                 self.control.close()
             self._emit_pending()
         except Exception as exc:
-            log.debug("close() bookkeeping failed: %s", exc)
+            self._faults.hit("close() bookkeeping", exc)
         if not self._sender.close(self.config.close_timeout_s):
             log.warning(
                 "rankscope collector: sink still stalled at close; %d records abandoned",
@@ -330,7 +377,7 @@ class RankCollector:
                 _count_tokens(st, args)
             st.phase = "forward"
         except Exception as exc:
-            log.debug("forward pre-hook failed: %s", exc)
+            self._faults.hit("forward pre-hook", exc)
         self._self_time.hooks_s += time.perf_counter() - t0
 
     def _on_forward_post(self, module, args, output) -> None:
@@ -347,7 +394,7 @@ class RankCollector:
                 self._join_digest()  # the step is about to change the parameters
             self._fallback_grad_stats()
         except Exception as exc:
-            log.debug("optimizer pre-hook failed: %s", exc)
+            self._faults.hit("optimizer pre-hook", exc)
         self._self_time.hooks_s += time.perf_counter() - t0
 
     def _on_optimizer_post(self, optimizer, args, kwargs) -> None:
@@ -355,7 +402,7 @@ class RankCollector:
         try:
             self._boundary()
         except Exception as exc:
-            log.debug("optimizer post-hook failed: %s", exc)
+            self._faults.hit("optimizer post-hook", exc)
         self._control_boundary(t0)
 
     def _join_digest(self) -> None:
@@ -398,23 +445,23 @@ class RankCollector:
     # ------------------------------------------------------------ the record
 
     def _fallback_grad_stats(self) -> None:
-        """Without DDP buckets this step, the local gradient is what ``.grad`` holds."""
-        st = self.state
-        if st.buckets or st.local_sq:
-            return
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return
+        """Norms from ``.grad`` where no DDP bucket showed them (``grad_fallback.py``)."""
         t0 = time.perf_counter()
-        if st.clip_norm is not None:  # the loop clipped: its norm is this gradient's
-            total, nonfinite = clip_norm_stats(st.clip_norm, grads)
-        else:
-            total, nonfinite = grads_norm_stats(grads)
-        st.local_sq.append(total)
-        st.nonfinite.append(nonfinite)
-        spent = time.perf_counter() - t0
-        self._self_time.grad_norm_s += spent
-        self._self_time.hooks_s -= spent
+        shape = self._shape
+        try:
+            read = fallback_grad_stats(
+                self.state,
+                self._params,
+                fsdp=shape is not None and shape.fsdp is not None,
+                dtensor=shape is not None and shape.dtensor,
+            )
+        except Exception as exc:
+            self._faults.hit("grad_norm", exc)
+            read = False
+        if read:
+            spent = time.perf_counter() - t0
+            self._self_time.grad_norm_s += spent
+            self._self_time.hooks_s -= spent
 
     def _boundary(self) -> None:
         st = self.state
@@ -428,13 +475,21 @@ class RankCollector:
         digest = None
         if every and st.step % every == 0 and self._digester is not None:
             t0 = time.perf_counter()
-            digest = self._digester.start()
+            try:
+                digest = _Guarded(self._digester.start(), self._faults)
+            except Exception as exc:  # the record still goes out, without param_digest
+                self._faults.hit("param_digest", exc)
             spent = time.perf_counter() - t0
             self._self_time.digest_s += spent
             self._self_time.hooks_s -= spent
         lr = None
-        if self._optimizer is not None and self._optimizer.param_groups:
-            lr = self._optimizer.param_groups[0].get("lr")
+        try:
+            if self._optimizer is not None and self._optimizer.param_groups:
+                lr = self._optimizer.param_groups[0].get("lr")
+        except Exception as exc:
+            self._faults.hit("lr", exc)
+        if self._funcol_patch is not None:
+            self._funcol_patch.step_done()
         if self._pending is not None:  # the previous step never got its loss
             self._emit_pending()
         self._pending = {
@@ -465,6 +520,22 @@ class RankCollector:
         p, self._pending = self._pending, None
         if p is not None:
             self._sender.put(lambda: build_step_record(self._base, p))
+
+
+class _Guarded:
+    """A digest callable whose failure on the sender thread is counted and said once."""
+
+    __slots__ = ("_fn", "_faults")
+
+    def __init__(self, fn: Any, faults: Faults) -> None:
+        self._fn, self._faults = fn, faults
+
+    def __call__(self) -> str:
+        try:
+            return self._fn()
+        except Exception as exc:
+            self._faults.hit("param_digest", exc)
+            raise
 
 
 def _count_tokens(st: StepState, args: tuple) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from rankscope.collectors.rank.dtensor import local
 
 __all__ = ["DigestPlan", "digest_sums", "digest_hex"]
 
@@ -45,8 +46,9 @@ SMALL_BYTES = 1 << 16
 
 
 def _plain(p: torch.Tensor) -> torch.Tensor:
-    """``p`` detached, as a real, non-bool tensor whose bytes can be reinterpreted."""
-    t = p.detach()
+    """``p``'s rank-local tensor (a DTensor's local part) detached, as a real,
+    non-bool tensor whose bytes can be reinterpreted."""
+    t = local(p).detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype == torch.bool:
@@ -138,7 +140,7 @@ class DigestPlan:
     def _cpu_sums(self) -> np.ndarray:
         # (address, size) tells a parameter given new storage (``p.data = ...``); the
         # cached views keep the old storage alive, so its address cannot be reused
-        keys = [(p.data_ptr(), p.nbytes) for p in self._cpu_params]
+        keys = [(local(p).data_ptr(), local(p).nbytes) for p in self._cpu_params]
         if keys != self._keys or not self._shares:
             self._rebuild(keys)
         small = self._small

@@ -10,8 +10,16 @@ collector's own DDP hook pass straight through. Any failure of the
 bookkeeping is swallowed; the collective's own result or exception is what
 the caller gets.
 
-Asynchronous calls (``async_op=True``) are recorded with the launch time only:
-the wait happens later in ``Work.wait()``, which is not wrapped.
+The wrapped names cover what loops and wrappers call: the classic ones, the
+``*_single`` ones FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``),
+the coalesced ones, and point-to-point ops (pipeline schedules). ``taps`` are
+callbacks that see a call's arguments just before it runs (FSDP2's local
+gradient norm is taken from its reduce-scatter input there). While
+``torch.compile`` traces, a wrapper passes straight through.
+
+Asynchronous calls (``async_op=True``, ``isend``/``irecv``) are recorded with
+the launch time only: the wait happens later in ``Work.wait()``, which is
+not wrapped.
 """
 
 from __future__ import annotations
@@ -49,7 +57,19 @@ OP_NAMES = {
     "gather_object": "gather",
     "scatter": "scatter",
     "scatter_object_list": "scatter",
+    # FSDP2 (torch >= 2.9 names) and the coalesced forms
+    "all_gather_single": "allgather",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_reduce_coalesced": "allreduce",
+    "all_gather_coalesced": "allgather",
+    # point to point (torch.distributed.pipelining)
+    "send": "send",
+    "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
+    "batch_isend_irecv": "p2p",
 }
+_INPUT_KWARGS = ("tensor", "input", "input_tensor", "tensor_list", "tensors", "p2p_op_list")
 
 
 def _nbytes(obj: Any) -> int | None:
@@ -57,7 +77,25 @@ def _nbytes(obj: Any) -> int | None:
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
         return sum(t.numel() * t.element_size() for t in obj)
+    if isinstance(obj, (list, tuple)) and obj and all(hasattr(o, "tensor") for o in obj):
+        return _nbytes([o.tensor for o in obj])  # P2POp list
     return None
+
+
+def _call_bytes(args: tuple, kwargs: dict) -> int | None:
+    if args:
+        return _nbytes(args[0])
+    for k in _INPUT_KWARGS:
+        if k in kwargs:
+            return _nbytes(kwargs[k])
+    return None
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
 
 
 def group_label(group: Any, known: dict[int, str]) -> str:
@@ -86,8 +124,12 @@ class DistPatch:
         state: StepState,
         group_name: Callable[[Any], str],
         training_thread: int,
+        taps: dict[str, Callable] | None = None,
+        faults: Any = None,
     ) -> None:
         self._state = state
+        self._taps = dict(taps or {})
+        self._faults = faults
         self._group_name = group_name
         self._training_thread = training_thread
         self._originals: dict[str, Callable] = {}
@@ -128,6 +170,7 @@ class DistPatch:
         group_pos = params.index("group") if "group" in params else None
         async_pos = params.index("async_op") if "async_op" in params else None
         state, busy = self._state, self._busy
+        tap = self._taps.get(name)
 
         @functools.wraps(orig)
         def wrapper(*args, **kwargs):
@@ -135,6 +178,7 @@ class DistPatch:
                 not self._active
                 or getattr(hook_context, "active", False)
                 or getattr(busy, "on", False)
+                or _compiling()
             ):
                 return orig(*args, **kwargs)
             entry = prev_phase = None
@@ -146,12 +190,15 @@ class DistPatch:
                 is_async = kwargs.get("async_op")
                 if is_async is None and async_pos is not None and len(args) > async_pos:
                     is_async = args[async_pos]
-                nbytes = _nbytes(args[0]) if args else _nbytes(kwargs.get("tensor"))
+                is_async = is_async or name in ("isend", "irecv", "batch_isend_irecv")
+                if tap is not None:
+                    tap(args, kwargs, group)
+                nbytes = _call_bytes(args, kwargs)
                 entry = state.enter_collective(op, self._group_name(group), nbytes)
                 if on_training and not is_async:
                     prev_phase, state.phase = state.phase, "collective"
             except Exception as exc:
-                log.debug("collective bookkeeping failed for %s: %s", name, exc)
+                self._fault(name, exc)
             busy.on = True
             t0 = time.perf_counter()
             try:
@@ -166,7 +213,13 @@ class DistPatch:
                             state.comm_s += dt
                             state.phase = prev_phase
                 except Exception as exc:
-                    log.debug("collective bookkeeping failed for %s: %s", name, exc)
+                    self._fault(name, exc)
 
         wrapper.__rankscope_wrapped__ = True
         return wrapper
+
+    def _fault(self, name: str, exc: Exception) -> None:
+        if self._faults is not None:
+            self._faults.hit(f"collective bookkeeping ({name})", exc)
+        else:
+            log.debug("collective bookkeeping failed for %s: %s", name, exc)

@@ -54,6 +54,7 @@ class StepState:
     last_launch_exit_perf: float | None = None
     last_done_perf: float | None = None
     buckets_done: int = 0
+    fsdp_reductions: int = 0  # FSDP2 reduce-scatters of this step (fsdp.ReduceScatterTap)
     local_sq: list[Any] = field(default_factory=list)  # per-bucket squared norms (tensors/floats)
     reduced_sq: list[Any] = field(default_factory=list)
     nonfinite: list[Any] = field(default_factory=list)
@@ -104,6 +105,7 @@ class StepState:
         self.last_launch_exit_perf = None
         self.last_done_perf = None
         self.buckets_done = 0
+        self.fsdp_reductions = 0
         self.local_sq = []
         self.reduced_sq = []
         self.nonfinite = []

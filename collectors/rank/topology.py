@@ -38,6 +38,7 @@ class Identity:
     sizes: dict[str, int] = field(default_factory=dict)
     # process groups by axis name, when known (a DeviceMesh provides them)
     groups: dict[str, Any] = field(default_factory=dict)
+    assumed: list[str] = field(default_factory=list)  # guesses made for unnamed mesh dims
 
 
 def parse_topology(spec: str | dict, world: int | None = None) -> dict[str, int]:
@@ -98,23 +99,85 @@ def coordinates(sizes: dict[str, int], rank: int) -> dict[str, int]:
     return {a: c for a, c in coords.items() if a in ("dp", "tp", "pp") or a in sizes}
 
 
-def _from_mesh(mesh: Any) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-    names = tuple(mesh.mesh_dim_names or ())
+# mesh dimension names (torchtitan, FSDP/HSDP examples) -> axis
+_DIM_AXES = {
+    "dp_replicate": "dp",
+    "dp_shard": "dp",
+    "dp_shard_cp": "dp",
+    "fsdp": "dp",
+    "hsdp": "dp",
+    "ddp": "dp",
+    "replicate": "dp",
+    "shard": "dp",
+    "data": "dp",
+    "data_parallel": "dp",
+    "tensor": "tp",
+    "tensor_parallel": "tp",
+    "pipeline": "pp",
+    "pipeline_parallel": "pp",
+    "context": "cp",
+    "expert": "ep",
+}
+
+
+def _mesh_axes(mesh: Any, dp_groups: list[Any]) -> tuple[list[str], list[str]]:
+    """The axis of every mesh dimension, and the assumptions made for unnamed ones.
+
+    Named dimensions map by name. Unnamed ones: a dimension whose process
+    group is one the model reduces gradients over (FSDP, DDP) is ``dp``; of the
+    rest, the first is ``dp`` when no dp was found, the others ``tp`` (the
+    torchtitan order: data parallel outer, tensor parallel inner)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    dp_keys = {str(getattr(g, "group_name", id(g))) for g in dp_groups}
+    axes: list[str | None] = []
+    for i in range(mesh.ndim):
+        name = names[i] if i < len(names) else None
+        axis = _DIM_AXES.get(name, name) if name else None
+        if axis is not None and axis not in AXES:
+            raise ValueError(
+                f"DeviceMesh dimension {name!r} is not a known axis "
+                f"(known: {', '.join(AXES)} and {', '.join(sorted(_DIM_AXES))})"
+            )
+        if axis is None:
+            try:
+                g = mesh.get_group(i)
+                if str(getattr(g, "group_name", id(g))) in dp_keys:
+                    axis = "dp"
+            except Exception:
+                pass
+        axes.append(axis)
+    assumed = []
+    for i, a in enumerate(axes):
+        if a is None:
+            axes[i] = "dp" if "dp" not in axes else "tp"
+            assumed.append(f"dimension {i} (size {mesh.size(i)}) taken as {axes[i]}")
+    return axes, assumed  # type: ignore[return-value]
+
+
+def _from_mesh(
+    mesh: Any, dp_groups: list[Any] | None = None
+) -> tuple[dict[str, int], dict[str, int], dict[str, Any], list[str]]:
+    """Sizes, coordinates and named groups from a DeviceMesh. Several dimensions of
+    one axis (HSDP's replicate and shard) flatten into it, outer dimension first."""
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError("this rank is not part of the given DeviceMesh")
-    sizes, coords, groups = {}, {"dp": 0, "tp": 0, "pp": 0}, {}
-    for i, name in enumerate(names):
-        axis = {"dp_replicate": "dp", "dp_shard": "dp"}.get(name, name)
-        if axis not in AXES:
-            continue
-        sizes[axis] = mesh.size(i)
-        coords[axis] = int(coord[i])
+    axes, assumed = _mesh_axes(mesh, dp_groups or [])
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    sizes: dict[str, int] = {}
+    coords = {"dp": 0, "tp": 0, "pp": 0}
+    groups: dict[str, Any] = {}
+    for i, axis in enumerate(axes):
+        size = mesh.size(i)
+        coords[axis] = coords.get(axis, 0) * size + int(coord[i]) if axis in sizes else int(
+            coord[i]
+        )
+        sizes[axis] = sizes.get(axis, 1) * size
         try:
-            groups[axis] = mesh.get_group(name)
+            groups[names[i] if i < len(names) else axis] = mesh.get_group(i)
         except Exception:  # a mesh without process groups for this dim
             pass
-    return sizes, coords, groups
+    return sizes, coords, groups, assumed
 
 
 def _dist_rank_world() -> tuple[int | None, int | None]:
@@ -128,8 +191,46 @@ def _dist_rank_world() -> tuple[int | None, int | None]:
     return None, None
 
 
+def _parallel_dims(obj: Any) -> dict[str, int] | None:
+    """Axis sizes from a torchtitan ``ParallelDims``-like object (``dp_replicate``,
+    ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep`` attributes) or a Megatron-style
+    one (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``context_parallel_size``, ``expert_model_parallel_size``); None otherwise.
+    A size of -1 or None (torchtitan: "the rest") is left for dp to take."""
+    if isinstance(obj, (str, dict)) or obj is None:
+        return None
+    titan = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    megatron = {
+        "tensor_model_parallel_size": "tp",
+        "pipeline_model_parallel_size": "pp",
+        "context_parallel_size": "cp",
+        "expert_model_parallel_size": "ep",
+    }
+    if all(hasattr(obj, a) for a in ("dp_shard", "tp", "pp")):
+        raw = {a: getattr(obj, a, 1) for a in titan}
+        dp_parts = [raw.pop("dp_replicate"), raw.pop("dp_shard")]
+        sizes = {a: int(v) for a, v in raw.items() if v not in (None, -1) and int(v) > 1}
+        if all(v not in (None, -1) for v in dp_parts):
+            sizes["dp"] = int(dp_parts[0]) * int(dp_parts[1])
+        sizes.pop("ep", None)  # torchtitan's ep borrows dp ranks; not a separate axis
+        return sizes
+    if any(hasattr(obj, a) for a in megatron):
+        return {
+            axis: int(getattr(obj, a))
+            for a, axis in megatron.items()
+            if getattr(obj, a, None) not in (None, 1)
+        }
+    return None
+
+
 def resolve_identity(
-    *, rank: int | None, world: int | None, host: str | None, topology: Any
+    *,
+    rank: int | None,
+    world: int | None,
+    host: str | None,
+    topology: Any,
+    dp_groups: list[Any] | None = None,
+    mesh: Any = None,
 ) -> Identity:
     """Fill in rank, world, host and coordinates from arguments, torch.distributed and env."""
     d_rank, d_world = _dist_rank_world()
@@ -143,11 +244,16 @@ def resolve_identity(
     ident = Identity(rank=rank, world=world, host=host)
     if topology is None:
         topology = os.environ.get(TOPOLOGY_ENV) or None
+    if topology is None and mesh is not None:
+        topology = mesh  # the DTensor parameters' mesh: better than dp = rank
     if topology is None:
         ident.sizes = {"dp": world}
         ident.coords = {"dp": rank, "tp": 0, "pp": 0}
     elif hasattr(topology, "get_coordinate") and hasattr(topology, "mesh_dim_names"):
-        ident.sizes, ident.coords, ident.groups = _from_mesh(topology)
+        ident.sizes, ident.coords, ident.groups, ident.assumed = _from_mesh(topology, dp_groups)
+    elif _parallel_dims(topology) is not None:
+        ident.sizes = parse_topology(_parallel_dims(topology), world)
+        ident.coords = coordinates(ident.sizes, rank)
     else:
         ident.sizes = parse_topology(topology, world)
         ident.coords = coordinates(ident.sizes, rank)

@@ -201,6 +201,11 @@ class StepRecord:
     tokens: int | None = None
     dropped: int | None = None
     collectives: list[dict] | None = None
+    # sharded data parallelism (FSDP2/HSDP): the parameter shard this rank holds
+    # among its dp peers; only peers of equal shard are replicas
+    shard: int | None = None
+    # true when the loop skipped this iteration's optimizer step (AMP inf/NaN)
+    skipped: bool | None = None
     v: int = FORMAT_VERSION
     type: str = field(default="step", init=False)
     KIND: ClassVar[str] = "step"

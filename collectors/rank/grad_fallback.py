@@ -1,0 +1,53 @@
+"""The step's gradient norms where no DDP bucket showed them (optimizer pre-hook).
+
+* Plain module (one rank, or a loop that reduces gradients itself): the local
+  gradient is what ``.grad`` holds; the loop's own clipping norm is reused.
+* FSDP2 / HSDP: ``grad_norm`` came from the reduce-scatter inputs
+  (``fsdp.py``); here ``.grad`` holds this rank's shard of the REDUCED
+  gradient, whose norm is ``grad_norm_reduced`` (equal on HSDP replicas of one
+  shard). The loop's clipping norm is the global norm of all shards, not this.
+* DTensor tensor parallel without FSDP: norms over the LOCAL parts only (a
+  norm of the DTensor itself would be a global, cross-rank reduction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.dtensor import local
+from rankscope.collectors.rank.grad_stats import clip_norm_stats, grads_norm_stats
+from rankscope.collectors.rank.step_state import StepState
+
+__all__ = ["fallback_grad_stats"]
+
+
+def fallback_grad_stats(
+    st: StepState, params: list[torch.Tensor], *, fsdp: bool, dtensor: bool
+) -> bool:
+    """Fill ``st``'s norms from ``.grad`` where nothing else did; True if it read grads."""
+    if st.buckets:
+        return False
+    if fsdp:
+        if st.fsdp_reductions and not st.reduced_sq:
+            grads = _local_grads(params)
+            if grads:
+                st.reduced_sq.append(grads_norm_stats(grads)[0])
+                return True
+        return False
+    if st.local_sq:
+        return False
+    grads = _local_grads(params) if dtensor else [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False
+    if st.clip_norm is not None and not dtensor:  # the loop clipped: its norm is this one
+        total, nonfinite = clip_norm_stats(st.clip_norm, grads)
+    else:
+        total, nonfinite = grads_norm_stats(grads)
+    st.local_sq.append(total)
+    st.nonfinite.append(nonfinite)
+    return True
+
+
+def _local_grads(params: list[torch.Tensor]) -> list[Any]:
+    return [local(p.grad) for p in params if p.grad is not None]

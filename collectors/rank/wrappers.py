@@ -1,0 +1,133 @@
+"""What the model is wrapped in, and what that means for each field.
+
+Attach looks at the model once: DDP (a communication hook gives the local
+gradient), FSDP2 ``fully_shard`` / HSDP (the reduce-scatter input gives it,
+``fsdp.py``), DTensor tensor parallelism (local parts, functional
+collectives), a ``torch.compile`` wrapper (hooks go on the module it
+compiled), a pipeline stage. What it cannot collect there, or a wrapper it
+does not know, it says once at WARNING at attach, naming the fields; the
+records still flow with the fields it has.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.dtensor import ReplicaLayout, is_dtensor, replica_layout
+from rankscope.collectors.rank.fsdp import FsdpGroups, find_fsdp
+
+__all__ = ["LoopShape", "inspect_model"]
+
+log = logging.getLogger("rankscope.collectors")
+
+# Wrappers whose gradient reduction the collector does not see (class names, so
+# that nothing here imports them): the local gradient is gone by the time
+# ``.grad`` is read.
+_UNKNOWN = {
+    "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel); use fully_shard (FSDP2)",
+    "DeepSpeedEngine": "DeepSpeed",
+}
+
+
+@dataclass(slots=True)
+class LoopShape:
+    """The wrappers found around the model and what follows for the fields."""
+
+    module: torch.nn.Module  # the module to hook (under a torch.compile wrapper)
+    ddp: bool = False
+    fsdp: FsdpGroups | None = None
+    dtensor: bool = False
+    compiled: bool = False
+    layout: ReplicaLayout | None = None
+    dp_groups: list[Any] = field(default_factory=list)  # groups gradients are reduced over
+    mesh: Any = None  # the DTensor parameters' mesh when it spans the world
+    digest: bool = True  # param_digest compares replicas (False: nothing replicated)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.ddp:
+            parts.append("DDP")
+        if self.fsdp is not None:
+            parts.append("HSDP" if self.fsdp.replicate else "FSDP2")
+        if self.dtensor and self.fsdp is None:
+            parts.append("DTensor")
+        return "+".join(parts) or "plain"
+
+
+def _dp_groups_of_ddp(model: Any) -> list[Any]:
+    g = getattr(model, "process_group", None)
+    if g is None:
+        import torch.distributed as dist
+
+        g = dist.group.WORLD if dist.is_initialized() else None
+    return [g] if g is not None else []
+
+
+def _world_mesh(params: list[torch.Tensor]) -> Any:
+    """The largest DTensor mesh among ``params``, if it spans every rank."""
+    meshes = [p.device_mesh for p in params if is_dtensor(p)]
+    if not meshes:
+        return None
+    mesh = max(meshes, key=lambda m: m.size())
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and mesh.size() != dist.get_world_size():
+            return None
+    except Exception:
+        return None
+    return mesh
+
+
+def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopShape:
+    """Find the wrappers; log one WARNING naming what is missing (if anything)."""
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    shape = LoopShape(module=model, compiled=isinstance(inner, torch.nn.Module))
+    target = inner if shape.compiled else model
+    shape.ddp = callable(getattr(target, "register_comm_hook", None))
+    shape.dtensor = any(is_dtensor(p) for p in params)
+    for m in [target, *getattr(target, "modules", lambda: [])()]:
+        why = _UNKNOWN.get(type(m).__name__)
+        if why:
+            shape.missing.append(
+                f"{why}: its gradient reduction is not seen, grad_norm is taken from "
+                ".grad after the reduction and comm_s misses it"
+            )
+            break
+    if shape.dtensor:
+        try:
+            shape.fsdp = find_fsdp(target)
+        except Exception as exc:
+            shape.missing.append(f"FSDP2 internals not understood ({exc}): grad_norm is lost")
+        groups = shape.fsdp.dp_groups() if shape.fsdp else []
+        if shape.ddp:
+            groups += _dp_groups_of_ddp(target)
+        shape.dp_groups = groups
+        shape.mesh = _world_mesh(params)
+        shape.layout = replica_layout(params, groups)
+        lay = shape.layout
+        if lay is not None and lay.shard is not None and lay.replicas <= 1:
+            shape.digest = False
+            shape.missing.append(
+                "param_digest: every data-parallel rank holds its own parameter shard, "
+                "nothing is replicated to compare; left out (the reduced-gradient vote and "
+                "the timing, norm and NaN checks still hold)"
+            )
+        if not groups:
+            shape.missing.append(
+                "grad_norm_reduced: no data-parallel reduction found (tensor parallel "
+                "only); grad_norm is this rank's local shard"
+            )
+    if shape.missing:
+        log.warning(
+            "rankscope collector (%s%s): not collected: %s",
+            shape.name,
+            ", torch.compile" if shape.compiled else "",
+            "; ".join(shape.missing),
+        )
+    return shape
