@@ -27,6 +27,9 @@ METRIC_COLUMNS = (
     "nonfinite",
     "dropped",
     "tokens",
+    # not a reading: the parameter shard a rank holds under sharded data
+    # parallelism (FSDP2/HSDP); only peers of equal shard are replicas
+    "shard",
 )
 # Parallel coordinates; peers share every one of them except ``dp``.
 COORD_NAMES = ("dp", "tp", "pp", "cp", "ep")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.signal import DetectorOutput, Signal
-from rankscope.detectors.votes.vote import ReplicaState, Vote, vote
+from rankscope.detectors.votes.vote import ReplicaState, Vote, replica_groups, vote
 
 __all__ = ["DigestVoteConfig", "DigestVoteState", "detect"]
 
@@ -54,7 +54,7 @@ def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> D
     out = DetectorOutput()
     if frame.n == 0:
         return out
-    idx = state.peers.get(frame.group)
+    idx = state.peers.get(replica_groups(frame))
     mat = idx.matrix_obj(frame.digest)
     same = (mat == mat[:, :1]) | ~idx.valid
     unanimous = same.all(axis=1)

@@ -23,7 +23,7 @@ import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.signal import DetectorOutput, Signal
-from rankscope.detectors.votes.vote import ReplicaState
+from rankscope.detectors.votes.vote import ReplicaState, replica_groups
 
 __all__ = ["ReducedGradConfig", "ReducedGradState", "detect"]
 
@@ -53,7 +53,7 @@ def detect(frame: StepFrame, state: ReducedGradState, cfg: ReducedGradConfig) ->
     x = frame.m.get("grad_norm_reduced")
     if frame.n == 0 or x is None:
         return out
-    idx = state.peers.get(frame.group)
+    idx = state.peers.get(replica_groups(frame))
     # a reduced norm that is not finite on a rank whose own gradient norm is finite
     # (or inf outright): that rank's reduction went wrong, it votes "corrupt"
     local = frame.m.get("grad_norm", np.full(frame.n, np.nan))

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 from rankscope.detectors.stats.peers import PeerCache
 
-__all__ = ["Vote", "vote", "ReplicaState"]
+__all__ = ["Vote", "vote", "ReplicaState", "replica_groups"]
 
 
 @dataclass(slots=True)
@@ -36,6 +37,17 @@ class Vote:
     @property
     def attributable(self) -> bool:
         return self.winner is not None
+
+
+def replica_groups(frame) -> np.ndarray:
+    """Groups of ranks that must hold identical parameters: the peer group, split by
+    ``shard`` where ranks report one (FSDP2/HSDP: only equal shards are replicas)."""
+    shard = frame.m.get("shard")
+    if shard is None or not np.isfinite(shard).any():
+        return frame.group
+    s = np.where(np.isfinite(shard), shard, -1).astype(np.int64) + 1
+    key = np.asarray(frame.group, dtype=np.int64) * (int(s.max()) + 1) + s
+    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
 
 
 def vote(values: list) -> Vote:

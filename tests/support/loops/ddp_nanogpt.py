@@ -1,0 +1,50 @@
+"""nanoGPT-style DDP: gradient accumulation with ``no_sync`` on all but the last
+micro-step (nanoGPT sets ``require_backward_grad_sync`` itself; both are the
+same switch), loss scaled by the accumulation, ``clip_grad_norm_``, AdamW."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from support.loops.model import Opts, TinyLM, batch, lm_loss
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass(slots=True)
+class Built:
+    model: Any
+    optimizer: Any
+    mesh: Any = None
+    topology: Any = None
+
+
+def build(rank: int, world: int, opts: Opts) -> Built:
+    torch.manual_seed(0)
+    model = DDP(TinyLM(opts.work_s))
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    return Built(model, opt)
+
+
+def train(b: Built, rc, rank: int, opts: Opts) -> None:
+    model, opt = b.model, b.optimizer
+    for step in range(opts.steps):
+        for micro in range(opts.accum):
+            last = micro == opts.accum - 1
+            if micro % 2:  # both ways nanoGPT-like loops skip the sync
+                model.require_backward_grad_sync = last
+                ctx = contextlib.nullcontext()
+            else:
+                model.require_backward_grad_sync = True
+                ctx = contextlib.nullcontext() if last else model.no_sync()
+            with ctx:
+                x, y = batch(rank, step, micro, opts)
+                loss = lm_loss(model(x), y) / opts.accum
+                loss.backward()
+        if opts.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
+        rc.loss(loss * opts.accum)
+        opt.step()
+        opt.zero_grad(set_to_none=True)

@@ -1,0 +1,64 @@
+"""Spawning a loop style on real gloo ranks and reading back what was recorded."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rankscope.pipeline.traces.files import read_trace
+from support.loops import faults as faults_mod
+from support.loops.model import Opts
+
+
+def _worker(rank, world, style, build_kw, opts, faults, rdzv, out, attach_kw):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    try:
+        from rankscope.collectors import RankCollector
+
+        mod = importlib.import_module(f"support.loops.{style}")
+        built = mod.build(rank, world, opts, **build_kw)
+        injected = faults_mod.install(built.model, built.optimizer, faults, rank, opts.work_s)
+        rc = RankCollector.attach(
+            built.model,
+            built.optimizer,
+            job=f"loop-{style}",
+            sink=f"file://{out}/trace",
+            topology=built.topology,
+            **attach_kw,
+        )
+        mod.train(built, rc, rank, opts)
+        rc.close()
+        with open(Path(out) / f"rank{rank}.json", "w") as fh:
+            json.dump({"faults": rc.faults, "injected": injected,
+                       "self_time": rc.self_time.overhead_s, "steps": rc.self_time.steps}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_loop(style, world, tmp_path, *, opts=None, faults=(), build_kw=None, attach_kw=None):
+    """Run ``style`` on ``world`` ranks; returns (steps[step][rank] -> record, per-rank info)."""
+    opts = opts or Opts()
+    out = Path(tmp_path)
+    mp.spawn(
+        _worker,
+        args=(world, style, build_kw or {}, opts, list(faults), str(out / "rdzv"), str(out),
+              attach_kw or {}),
+        nprocs=world,
+        join=True,
+    )
+    trace = read_trace(out / "trace")
+    assert trace.report.bad == 0, [str(e) for e in trace.report.errors[:5]]
+    steps: dict[int, dict[int, dict]] = defaultdict(dict)
+    for rec in trace.records:
+        if rec["type"] == "step":
+            steps[rec["step"]][rec["rank"]] = rec
+    info = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+    return dict(steps), info
