@@ -6,26 +6,15 @@ Three lines attach it::
     rc = RankCollector.attach(model, optimizer, job="run-42", sink="file://traces/run-42")
     # the loop stays as it is; rc.loss(loss) adds the loss, rc.close() at the end (also atexit)
 
-The step boundary is an optimizer step post-hook (or ``rc.step(loss)`` for
-loops without an optimizer to hook). Hooks registered on the optimizer BEFORE
-attach run before the collector's, so a fault injected there is already seen
-by that step's ``param_digest``.
-
-What runs on the training thread is bookkeeping of a few microseconds per
-hook, the DDP reduction going through a Python communication hook (the only
-place the local, pre-reduction gradient can be seen) with the local gradient
-norm taken there, and the parameter digest at the step boundary (inline for
-CPU parameters; queued to a worker thread for accelerator ones,
-``collectors/rank/digest_worker.py``). The reduced norm runs in the reduction's
-completion callback, or is taken from the loop's own ``clip_grad_norm_``
-(``collectors/rank/clip_patch.py``); conversions that could wait for a device,
-hashing and serialization happen on the sender thread. The collector times
-its own code as it runs (``rc.self_time``; docs/collectors.md has measured
-figures). FSDP2/HSDP, DTensor tensor parallel and ``torch.compile`` wrappers are
-found at attach (``collectors/rank/wrappers.py``), which says at WARNING what
-it cannot collect there. No hook ever raises into training: a failure of the
-collector's own bookkeeping is counted per part and said once at WARNING
-(``collectors/rank/faults.py``); the step record still goes out.
+The step boundary is an optimizer step post-hook (``rc.step(loss)`` without an
+optimizer; an AMP-skipped step through ``amp.py``). Optimizer hooks registered
+BEFORE attach run before the collector's, so their effect is in that step's
+``param_digest``. Attach finds the wrappers (DDP, FSDP2/HSDP, DTensor,
+``torch.compile``; ``wrappers.py``) and says at WARNING what it cannot collect.
+What runs on the training thread, where each field is taken and what it costs
+(``rc.self_time``): docs/collectors.md. No hook raises into training: a failure
+of the collector's own code is counted per part and said once at WARNING
+(``faults.py``, ``rc.faults``); the record goes out without that field.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from rankscope.collectors.rank.amp import ScalerPatch
 from rankscope.collectors.rank.beat import BeatThread
 from rankscope.collectors.rank.clip_patch import ClipPatch
 from rankscope.collectors.rank.config import CollectorConfig
@@ -49,6 +39,7 @@ from rankscope.collectors.rank.fsdp import ReduceScatterTap
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
 from rankscope.collectors.rank.grad_fallback import fallback_grad_stats
 from rankscope.collectors.rank.self_time import SelfTime
+from rankscope.collectors.rank.step_boundary import Guarded, count_tokens, pending_record
 from rankscope.collectors.rank.step_record import build_step_record
 from rankscope.collectors.rank.step_state import StepState
 from rankscope.collectors.rank.topology import Identity, resolve_identity
@@ -87,13 +78,13 @@ class RankCollector:
         self._self_time = SelfTime()
         self._handles: list[Any] = []
         self._hook_ctx: HookContext | None = None
-        self._dist_patch: DistPatch | None = None
+        self._patches: list[Any] = []  # DistPatch, FuncolPatch, ClipPatch, ScalerPatch
         self._funcol_patch: FuncolPatch | None = None
-        self._clip_patch: ClipPatch | None = None
         self._beat: BeatThread | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._digester: Any = None  # digest_worker.DigestWorker or InlineDigest
         self._pending: dict | None = None
+        self._boundaries = 0  # step boundaries taken (the AMP patch tells skipped steps)
         self._tokens_reported = False
         self._closed = False
         self._close_lock = threading.Lock()
@@ -159,12 +150,6 @@ class RankCollector:
             )
         except ValueError as exc:
             raise ValueError(f"RankCollector.attach: {exc}") from None
-        if ident.assumed:
-            log.warning(
-                "rankscope collector: DeviceMesh without dimension names: %s; pass "
-                "topology='dp=..,tp=..' or name the mesh dimensions to say otherwise",
-                "; ".join(ident.assumed),
-            )
         is_ddp = shape.ddp
         if comm_hook is not None and not is_ddp:
             raise ValueError("RankCollector.attach: comm_hook given but the model is not DDP")
@@ -229,6 +214,15 @@ class RankCollector:
             self._optimizer = optimizer
             self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
+            scaler = ScalerPatch(
+                optimizer,
+                threading.get_ident(),
+                on_scale=lambda scale: setattr(st, "loss_scale", scale),
+                on_skipped=self._on_skipped_step,
+                steps_seen=lambda: self._boundaries,
+                faults=self._faults,
+            )
+            self._patches.append(scaler)
         groups = {id(g): name for name, g in self.identity.groups.items()}
         label = lambda g: group_label(g, groups)  # noqa: E731
         me = threading.get_ident()
@@ -237,13 +231,13 @@ class RankCollector:
             taps["reduce_scatter_single"] = ReduceScatterTap(
                 st, self._shape.fsdp.shard, self._faults
             )
-        self._dist_patch = DistPatch(st, label, me, taps=taps, faults=self._faults)
-        self._dist_patch.install()
+        self._patches.append(DistPatch(st, label, me, taps=taps, faults=self._faults))
         if self._shape is not None and self._shape.dtensor:
             self._funcol_patch = FuncolPatch(st, label, me, self._faults)
-            self._funcol_patch.install()
-        self._clip_patch = ClipPatch(st, self._params, threading.get_ident())
-        self._clip_patch.install()
+            self._patches.append(self._funcol_patch)
+        self._patches.append(ClipPatch(st, self._params, me))
+        for patch in self._patches:
+            patch.install()
         st.step_start_perf = time.perf_counter()
         st.phase = "data"
         self._beat = BeatThread(
@@ -334,12 +328,8 @@ class RankCollector:
             self._handles.clear()
             if self._hook_ctx is not None:
                 self._hook_ctx.active = False
-            if self._dist_patch is not None:
-                self._dist_patch.uninstall()
-            if self._funcol_patch is not None:
-                self._funcol_patch.uninstall()
-            if self._clip_patch is not None:
-                self._clip_patch.uninstall()
+            for patch in self._patches:
+                patch.uninstall()
             if self._beat is not None:
                 self._beat.stop()
             if self._digester is not None:
@@ -374,7 +364,7 @@ class RankCollector:
             if st.first_forward_perf is None:
                 st.first_forward_perf = time.perf_counter()
             if not self._tokens_reported:
-                _count_tokens(st, args)
+                count_tokens(st, args)
             st.phase = "forward"
         except Exception as exc:
             self._faults.hit("forward pre-hook", exc)
@@ -403,6 +393,18 @@ class RankCollector:
             self._boundary()
         except Exception as exc:
             self._faults.hit("optimizer post-hook", exc)
+        self._control_boundary(t0)
+
+    def _on_skipped_step(self) -> None:
+        """AMP skipped the optimizer step: the iteration still is a step, marked skipped."""
+        t0 = time.perf_counter()
+        try:
+            self.state.phase = "optimizer"
+            if self._digester is not None:
+                self._join_digest()
+            self._boundary(skipped=True)
+        except Exception as exc:
+            self._faults.hit("skipped step", exc)
         self._control_boundary(t0)
 
     def _join_digest(self) -> None:
@@ -463,20 +465,14 @@ class RankCollector:
             self._self_time.grad_norm_s += spent
             self._self_time.hooks_s -= spent
 
-    def _boundary(self) -> None:
+    def _boundary(self, skipped: bool = False) -> None:
         st = self.state
-        now = time.perf_counter()
-        step_s = now - st.step_start_perf
-        data_s = (
-            0.0 if st.first_forward_perf is None else st.first_forward_perf - st.step_start_perf
-        )
-        comm_s = min(st.comm_s + st.backward_wait_s(), max(0.0, step_s - data_s))
         every = self.config.digest_every_steps
         digest = None
         if every and st.step % every == 0 and self._digester is not None:
             t0 = time.perf_counter()
             try:
-                digest = _Guarded(self._digester.start(), self._faults)
+                digest = Guarded(self._digester.start(), self._faults)
             except Exception as exc:  # the record still goes out, without param_digest
                 self._faults.hit("param_digest", exc)
             spent = time.perf_counter() - t0
@@ -492,23 +488,8 @@ class RankCollector:
             self._funcol_patch.step_done()
         if self._pending is not None:  # the previous step never got its loss
             self._emit_pending()
-        self._pending = {
-            "step": st.step,
-            "t": time.time(),
-            "step_s": step_s,
-            "data_s": data_s,
-            "comm_s": comm_s,
-            "compute_s": max(0.0, step_s - data_s - comm_s),
-            "local": st.local_sq,
-            # with DDP buckets, a norm the loop's clipping took is the reduced one
-            "reduced": [st.clip_norm] if st.clip_norm is not None and st.buckets else st.reduced_sq,
-            "nonfinite": st.nonfinite,
-            "collectives": st.collectives,
-            "loss": st.loss,
-            "digest": digest,
-            "lr": lr,
-            "tokens": st.tokens,
-        }
+        self._pending = pending_record(st, digest=digest, lr=lr, skipped=skipped)
+        self._boundaries += 1
         self._tokens_reported = False
         had_loss = st.loss is not None
         st.reset_for_next_step(time.perf_counter())
@@ -520,33 +501,3 @@ class RankCollector:
         p, self._pending = self._pending, None
         if p is not None:
             self._sender.put(lambda: build_step_record(self._base, p))
-
-
-class _Guarded:
-    """A digest callable whose failure on the sender thread is counted and said once."""
-
-    __slots__ = ("_fn", "_faults")
-
-    def __init__(self, fn: Any, faults: Faults) -> None:
-        self._fn, self._faults = fn, faults
-
-    def __call__(self) -> str:
-        try:
-            return self._fn()
-        except Exception as exc:
-            self._faults.hit("param_digest", exc)
-            raise
-
-
-def _count_tokens(st: StepState, args: tuple) -> None:
-    """Add the element count of forward's first integer tensor argument (token ids).
-
-    Work per step scales with tokens, so detectors can compare compute time per
-    token across ranks whose batches have different sequence lengths. Models fed
-    float tensors report nothing here (``rc.tokens(n)`` does it explicitly).
-    """
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool:
-                st.tokens = (st.tokens or 0) + a.numel()
-            return

@@ -33,6 +33,7 @@ def fallback_grad_stats(
             grads = _local_grads(params)
             if grads:
                 st.reduced_sq.append(grads_norm_stats(grads)[0])
+                st.reduced_scaled = False  # read at the optimizer step: unscaled by now
                 return True
         return False
     if st.local_sq:
@@ -46,6 +47,7 @@ def fallback_grad_stats(
         total, nonfinite = grads_norm_stats(grads)
     st.local_sq.append(total)
     st.nonfinite.append(nonfinite)
+    st.local_scaled = False  # read at the optimizer step: AMP has unscaled by now
     return True
 
 

@@ -71,4 +71,6 @@ def build_step_record(base: dict, p: dict) -> dict:
         rec["tokens"] = int(p["tokens"])
     if p["collectives"]:
         rec["collectives"] = [dict(c) for c in p["collectives"]]
+    if p.get("skipped"):
+        rec["skipped"] = True
     return StepRecord(**rec).to_dict()  # the contract's shape; absent readings left out

@@ -55,6 +55,9 @@ class StepState:
     last_done_perf: float | None = None
     buckets_done: int = 0
     fsdp_reductions: int = 0  # FSDP2 reduce-scatters of this step (fsdp.ReduceScatterTap)
+    loss_scale: Any = None  # AMP GradScaler's scale this step (amp.py), None without AMP
+    local_scaled: bool = True  # local_sq taken during backward (under the loss scale)
+    reduced_scaled: bool = True  # reduced_sq taken in the DDP completion callback
     local_sq: list[Any] = field(default_factory=list)  # per-bucket squared norms (tensors/floats)
     reduced_sq: list[Any] = field(default_factory=list)
     nonfinite: list[Any] = field(default_factory=list)
@@ -106,6 +109,9 @@ class StepState:
         self.last_done_perf = None
         self.buckets_done = 0
         self.fsdp_reductions = 0
+        self.loss_scale = None
+        self.local_scaled = True
+        self.reduced_scaled = True
         self.local_sq = []
         self.reduced_sq = []
         self.nonfinite = []

@@ -14,6 +14,7 @@ otherwise (the fault harness emulates several hosts on one machine that way).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ __all__ = ["AXES", "Identity", "parse_topology", "coordinates", "resolve_identit
 # Fastest-varying first.
 AXES = ("tp", "cp", "ep", "dp", "pp")
 TOPOLOGY_ENV = "RANKSCOPE_TOPOLOGY"
+log = logging.getLogger("rankscope.collectors")
 HOST_ENV = "RANKSCOPE_HOST"
 
 
@@ -251,6 +253,12 @@ def resolve_identity(
         ident.coords = {"dp": rank, "tp": 0, "pp": 0}
     elif hasattr(topology, "get_coordinate") and hasattr(topology, "mesh_dim_names"):
         ident.sizes, ident.coords, ident.groups, ident.assumed = _from_mesh(topology, dp_groups)
+        if ident.assumed:
+            log.warning(
+                "rankscope collector: DeviceMesh without dimension names: %s; pass "
+                "topology='dp=..,tp=..' or name the mesh dimensions to say otherwise",
+                "; ".join(ident.assumed),
+            )
     elif _parallel_dims(topology) is not None:
         ident.sizes = parse_topology(_parallel_dims(topology), world)
         ident.coords = coordinates(ident.sizes, rank)

@@ -44,7 +44,7 @@ def _describe(f) -> str:
 
 
 def run(args) -> int:
-    from rankscope.pipeline.cli.replay import check_traces, report_bad_lines
+    from rankscope.pipeline.cli.replay import check_traces, report_bad_lines, require_steps
     from rankscope.pipeline.cli.tables import ProgressBar, render_table
     from rankscope.pipeline.offline.evaluate import evaluate
 
@@ -80,6 +80,7 @@ def run(args) -> int:
                     f"{x['step']} until {x.get('until')}")  # fmt: skip
                 print(f"  {trace}: {text}")
     report_bad_lines(ev.report)
+    require_steps(ev.report)
     return 0
 
 

@@ -114,4 +114,17 @@ def run(args) -> int:
     report_bad_lines(result.report)
     print(f"rankscope: {result.report.summary()}, {len(findings)} finding(s)"
           + (f", stored in {args.db}" if args.db else ""), file=sys.stderr)  # fmt: skip
+    require_steps(result.report)
     return 0
+
+
+def require_steps(report) -> None:
+    """A trace without step records gives the detectors nothing: "no findings" would
+    read as a clean run, so it fails instead, saying what the trace did hold."""
+    if report.good.get("step", 0):
+        return
+    held = ", ".join(f"{n} {kind}" for kind, n in sorted(report.good.items()) if n) or "nothing"
+    raise CliError(
+        f"no step records in the trace (it holds {held} record(s)): there is nothing to "
+        "detect on; was the collector attached to the optimizer (or rc.step() called)?"
+    )

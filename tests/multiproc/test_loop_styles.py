@@ -46,7 +46,8 @@ def _med(steps, rank, field, window):
     return statistics.median(steps[s][rank][field] for s in window)
 
 
-def _assert_common(steps, info, world, work_s=Opts().work_s):
+def _assert_common(steps, info, world, work_s=None):
+    work_s = Opts().work_s if work_s is None else work_s
     assert sorted(steps) == list(range(STEPS)), "every iteration is one step record"
     for s in steps:
         assert sorted(steps[s]) == list(range(world)), s
@@ -152,4 +153,25 @@ def test_torchtitan_style_fsdp2_x_tp(tmp_path):
             assert r["grad_norm"] > r["grad_norm_reduced"] > 0
         # tp partners hold different shards: their local norms differ, not global
         assert recs[0]["grad_norm"] != recs[1]["grad_norm"]
+    _findings(tmp_path / "trace")
+
+
+def test_amp_grad_scaler_skipped_step_and_unscaled_norms(tmp_path):
+    world, skip_step, steps_n = 3, 5, 10
+    steps, info = run_loop(
+        "amp_ddp", world, tmp_path, opts=Opts(steps=steps_n),
+        faults=[Fault("inf_grad", 1, skip_step)],
+    )  # fmt: skip
+    assert sorted(steps) == list(range(steps_n)), "one record per iteration"
+    assert all(not i["faults"] for i in info.values()), info
+    for s in range(steps_n):
+        for r in range(world):
+            rec = steps[s][r]
+            assert rec.get("skipped", False) == (s == skip_step), (s, r)
+            if s != skip_step:
+                # unscaled: under the 4096x loss scale the local norm would be ~4096x
+                assert 0.2 < rec["grad_norm"] / rec["grad_norm_reduced"] < 5, rec
+    assert steps[skip_step][1]["nonfinite"] > 0  # the overflow's origin
+    # the skipped step left the parameters as they were
+    assert steps[skip_step][0]["param_digest"] == steps[skip_step - 1][0]["param_digest"]
     _findings(tmp_path / "trace")

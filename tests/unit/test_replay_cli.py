@@ -163,3 +163,16 @@ def test_truncated_gzip_keeps_the_records_before_the_cut(tmp_path):
     assert 0 < sum(res.report.good.values()) < len(recs)
     with gzip.open(path, "rb") as fh, pytest.raises(EOFError):
         fh.read()
+
+
+def test_a_trace_without_step_records_fails_instead_of_reading_clean(tmp_path, capsys):
+    """Beats only (a collector that never saw an optimizer step): replay and eval must
+    not print "no findings" and exit 0 as if the run were healthy."""
+    beats = [{"v": 1, "type": "beat", "job": "j", "rank": r, "host": "h", "t": 1.0 + i,
+              "step": 0, "phase": "forward"} for r in range(2) for i in range(5)]  # fmt: skip
+    write_jsonl(beats, tmp_path / "beats" / "rank.jsonl")
+    write_labels(tmp_path / "beats", [])
+    for cmd in ("replay", "eval"):
+        assert main([cmd, str(tmp_path / "beats")]) == 1
+        err = capsys.readouterr().err
+        assert "no step records" in err and "10 beat" in err, err

@@ -10,9 +10,11 @@
   diverge silently). Registered before attach, so that step's digest sees it.
 * ``nan``: a forward hook on the head makes one logit NaN on one rank: its
   loss and local gradient go non-finite, then every rank's after the reduction.
+* ``inf_grad``: a gradient hook on the head's weight puts one inf in this rank's
+  local gradient (an fp16 overflow): AMP's scaler skips that step everywhere.
 
-The step a hook acts at is counted by an optimizer post-hook of its own, so it
-matches the collector's step numbering.
+The step a hook acts at is the collector's step in progress (``bind``), so it
+matches the recorded step numbers (AMP-skipped iterations included).
 """
 
 from __future__ import annotations
@@ -29,30 +31,38 @@ MANTISSA_BIT = 20
 
 @dataclass(slots=True, frozen=True)
 class Fault:
-    kind: str  # straggler | flip | nan
+    kind: str  # straggler | flip | nan | inf_grad
     rank: int
     step: int
     until: int | None = None  # last step (None: only ``step`` for flip/nan, the end otherwise)
     factor: float = 1.5
 
     def active(self, step: int) -> bool:
-        if self.kind in ("flip", "nan") and self.until is None:
+        if self.kind in ("flip", "nan", "inf_grad") and self.until is None:
             return step == self.step
         return self.step <= step and (self.until is None or step <= self.until)
 
 
 class _Counter:
+    """The step in progress: the collector's, once attached (``bind``)."""
+
     def __init__(self) -> None:
-        self.step = 0
+        self.rc = None
+        self.injected: list[dict] = []
 
-    def __call__(self, *args) -> None:
-        self.step += 1
+    @property
+    def step(self) -> int:
+        return self.rc.step_index if self.rc is not None else 0
+
+    def bind(self, rc) -> None:
+        self.rc = rc
 
 
-def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> list:
-    """Register the hooks of this rank's faults; returns what was injected (reports)."""
+def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> _Counter:
+    """Register the hooks of this rank's faults (before attach; ``bind`` the collector
+    after); ``.injected`` lists what was injected."""
     count = _Counter()
-    injected: list[dict] = []
+    injected = count.injected
     mine = [f for f in faults if f.rank == rank]
     for f in mine:
         if f.kind == "straggler":
@@ -75,7 +85,7 @@ def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> 
 
             optimizer.register_step_post_hook(flip)
         elif f.kind == "nan":
-            head = getattr(getattr(model, "module", model), "head")
+            head = getattr(model, "module", model).head
 
             def poison(module, args, out, f=f):
                 if f.active(count.step):
@@ -85,7 +95,17 @@ def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> 
                 return None
 
             head.register_forward_hook(poison)
+        elif f.kind == "inf_grad":
+            weight = getattr(model, "module", model).head.weight
+
+            def overflow(grad, f=f):
+                if f.active(count.step):
+                    grad = grad.clone()
+                    grad.view(-1)[0] = float("inf")
+                    return grad
+                return None
+
+            weight.register_hook(overflow)
         else:
             raise ValueError(f"unknown fault kind {f.kind!r}")
-    optimizer.register_step_post_hook(count)  # after the faults' own post-hooks
-    return injected
+    return count

@@ -25,7 +25,7 @@ def _worker(rank, world, style, build_kw, opts, faults, rdzv, out, attach_kw):
 
         mod = importlib.import_module(f"support.loops.{style}")
         built = mod.build(rank, world, opts, **build_kw)
-        injected = faults_mod.install(built.model, built.optimizer, faults, rank, opts.work_s)
+        hooks = faults_mod.install(built.model, built.optimizer, faults, rank, opts.work_s)
         rc = RankCollector.attach(
             built.model,
             built.optimizer,
@@ -34,10 +34,11 @@ def _worker(rank, world, style, build_kw, opts, faults, rdzv, out, attach_kw):
             topology=built.topology,
             **attach_kw,
         )
+        hooks.bind(rc)
         mod.train(built, rc, rank, opts)
         rc.close()
         with open(Path(out) / f"rank{rank}.json", "w") as fh:
-            json.dump({"faults": rc.faults, "injected": injected,
+            json.dump({"faults": rc.faults, "injected": hooks.injected,
                        "self_time": rc.self_time.overhead_s, "steps": rc.self_time.steps}, fh)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,86 @@
+"""What the training thread hands over at a step boundary: timings and lazy readings.
+
+``pending_record`` closes the step in progress: the times out of the step
+state, the norms as lists of lazy values (divided by the AMP loss scale where
+they were taken under it), the digest callable; ``build_step_record`` turns
+it into a record on the sender thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.amp import Unscaled
+from rankscope.collectors.rank.faults import Faults
+from rankscope.collectors.rank.step_state import StepState
+
+__all__ = ["Guarded", "count_tokens", "pending_record"]
+
+
+def _unscale(norms: list, scale: Any) -> list:
+    return [Unscaled(n, scale) for n in norms] if scale is not None and norms else norms
+
+
+def pending_record(st: StepState, *, digest: Any, lr: Any, skipped: bool) -> dict:
+    """The pending record of the step in progress (training thread, no device waits)."""
+    now = time.perf_counter()
+    step_s = now - st.step_start_perf
+    data_s = 0.0 if st.first_forward_perf is None else st.first_forward_perf - st.step_start_perf
+    comm_s = min(st.comm_s + st.backward_wait_s(), max(0.0, step_s - data_s))
+    scale = st.loss_scale
+    # with DDP buckets, a norm the loop's clipping took is the reduced one (after unscale_)
+    if st.clip_norm is not None and st.buckets:
+        reduced = [st.clip_norm]
+    else:
+        reduced = _unscale(st.reduced_sq, scale if st.reduced_scaled else None)
+    out = {
+        "step": st.step,
+        "t": time.time(),
+        "step_s": step_s,
+        "data_s": data_s,
+        "comm_s": comm_s,
+        "compute_s": max(0.0, step_s - data_s - comm_s),
+        "local": _unscale(st.local_sq, scale if st.local_scaled else None),
+        "reduced": reduced,
+        "nonfinite": st.nonfinite,
+        "collectives": st.collectives,
+        "loss": st.loss,
+        "digest": digest,
+        "lr": lr,
+        "tokens": st.tokens,
+    }
+    if skipped:
+        out["skipped"] = True
+    return out
+
+
+class Guarded:
+    """A digest callable whose failure on the sender thread is counted and said once."""
+
+    __slots__ = ("_fn", "_faults")
+
+    def __init__(self, fn: Any, faults: Faults) -> None:
+        self._fn, self._faults = fn, faults
+
+    def __call__(self) -> str:
+        try:
+            return self._fn()
+        except Exception as exc:
+            self._faults.hit("param_digest", exc)
+            raise
+
+
+def count_tokens(st: StepState, args: tuple) -> None:
+    """Add the element count of forward's first integer tensor argument (token ids).
+
+    Work per step scales with tokens, so detectors can compare compute time per
+    token across ranks whose batches have different sequence lengths. Models fed
+    float tensors report nothing here (``rc.tokens(n)`` does it explicitly).
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool:
+                st.tokens = (st.tokens or 0) + a.numel()
+            return

@@ -1,0 +1,96 @@
+"""Single-process tests of what attach makes of wrappers, topology objects and its
+own failures; the replica vote by shard. Multi-rank wrappers (FSDP2, HSDP, TP)
+run for real in ``tests/multiproc/test_loop_styles.py``."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from rankscope.collectors import RankCollector
+from rankscope.collectors.rank.topology import resolve_identity
+from rankscope.collectors.sinks.embedded import iter_channel, register_channel, unregister_channel
+from rankscope.detectors.votes import digest as digest_vote
+from support.synth import layout, make_frame, run_detector
+
+
+class _WithUnreadableParam(torch.nn.Module):
+    """A real module with one parameter on the meta device: the digest cannot read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.ghost = torch.nn.Parameter(torch.empty(3, device="meta"))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_failing_field_is_left_out_counted_and_said_once(caplog):
+    q: queue.Queue = queue.Queue()
+    register_channel("wrap-fail", q)
+    model = _WithUnreadableParam()
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="rankscope.collectors"):
+        rc = RankCollector.attach(model, opt, job="f", sink="embedded://wrap-fail", rank=0,
+                                  world=1)  # fmt: skip
+        for _ in range(4):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).sum()
+            loss.backward()
+            rc.loss(loss)
+            opt.step()
+        rc.close()
+    unregister_channel("wrap-fail")
+    steps = [r for r in iter_channel(q) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]  # the records kept flowing
+    assert all("param_digest" not in r and "grad_norm" in r for r in steps)
+    assert rc.faults.get("param_digest") == 4
+    said = [r for r in caplog.records if "param_digest failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+
+
+@dataclass
+class TitanDims:  # the attributes torchtitan's ParallelDims carries
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int = 1
+
+
+@dataclass
+class MegatronArgs:  # the names Megatron's arguments use
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+
+
+def test_topology_from_torchtitan_and_megatron_parallel_dims():
+    ident = resolve_identity(rank=5, world=8, host="h", topology=TitanDims(1, -1, 1, 2, 2))
+    assert ident.sizes == {"tp": 2, "pp": 2, "dp": 2}
+    assert ident.coords == {"dp": 0, "tp": 1, "pp": 1}  # tp fastest, pp slowest
+    ident = resolve_identity(rank=6, world=8, host="h", topology=MegatronArgs(2, 1))
+    assert ident.sizes == {"tp": 2, "dp": 4} and ident.coords == {"dp": 3, "tp": 0, "pp": 0}
+
+
+def test_digest_vote_compares_only_replicas_of_one_shard():
+    """HSDP 3 x 2: shard 0 on even ranks, shard 1 on odd ranks; rank 3 flipped."""
+    lay = layout(dp=6)
+    shard = np.array([0, 1, 0, 1, 0, 1], dtype=np.float64)
+    frames = []
+    for step in range(6):
+        dig = np.array(["a", "b", "a", "b", "a", "b"], dtype=object)
+        if step >= 3:
+            dig[3] = "x"
+        frames.append(make_frame(lay, step, {"shard": shard}, digest=dig))
+    outs, _ = run_detector(digest_vote, frames)
+    blamed = {(f.step, tuple(s.ranks)) for f, o in zip(frames, outs, strict=True)
+              for s in o.signals}  # fmt: skip
+    assert blamed == {(3, (3,)), (4, (3,)), (5, (3,))}
+    # without the shard column the two shards never agree: nothing is voted
+    plain = [make_frame(lay, f.step, digest=f.digest) for f in frames]
+    assert not any(o.signals for o in run_detector(digest_vote, plain)[0])
