@@ -436,6 +436,13 @@ def main() -> int:
         help="identical models per arm kind (>= 2 prints the plain-vs-plain noise floor)",
     )
     ap.add_argument(
+        "--wrapper-steps",
+        type=int,
+        default=60,
+        help="LM steps per arm of the DDP vs FSDP2 self-time table (bench/overhead_fsdp2.py); "
+        "0 skips it",
+    )
+    ap.add_argument(
         "--digest",
         choices=("auto", "inline", "worker"),
         default="auto",
@@ -456,7 +463,36 @@ def main() -> int:
         for p in procs:
             p.join()
     _print(results, args)
+    if args.wrapper_steps:
+        _wrappers(args.wrapper_steps, ctx)
     return 0
+
+
+def _wrapper_worker(rank: int, tmp: str, steps: int, out) -> None:
+    from overhead_fsdp2 import measure
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv-w", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    try:
+        out.put([dict(measure(kind, rank, steps), rank=rank) for kind in ("ddp", "fsdp2")])
+    finally:
+        dist.destroy_process_group()
+
+
+def _wrappers(steps: int, ctx) -> None:
+    from overhead_fsdp2 import print_figures
+
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_wrapper_worker, args=(r, tmp, steps, out))
+                 for r in range(WORLD)]  # fmt: skip
+        for p in procs:
+            p.start()
+        rows = [row for _ in procs for row in out.get(timeout=1800)]
+        for p in procs:
+            p.join()
+    print_figures(sorted(rows, key=lambda r: (r["kind"], r["rank"])))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class RankCollector:
         taps = {}
         if self._shape is not None and self._shape.fsdp is not None:
             taps["reduce_scatter_single"] = ReduceScatterTap(
-                st, self._shape.fsdp.shard, self._faults
+                st, self._shape.fsdp.shard, self._faults, self._self_time
             )
         self._patches.append(DistPatch(st, label, me, taps=taps, faults=self._faults))
         if self._shape is not None and self._shape.dtensor:

@@ -17,7 +17,7 @@ callbacks that see a call's arguments just before it runs (FSDP2's local
 gradient norm is taken from its reduce-scatter input there). While
 ``torch.compile`` traces, a wrapper passes straight through.
 
-Asynchronous calls (``async_op=True``, ``isend``/``irecv``) are recorded with
+Asynchronous calls (``async_op=True``, ``batch_isend_irecv``) are recorded with
 the launch time only: the wait happens later in ``Work.wait()``, which is
 not wrapped.
 """
@@ -62,11 +62,10 @@ OP_NAMES = {
     "reduce_scatter_single": "reduce_scatter",
     "all_reduce_coalesced": "allreduce",
     "all_gather_coalesced": "allgather",
-    # point to point (torch.distributed.pipelining)
+    # point to point (torch.distributed.pipelining). NOT isend/irecv: P2POp checks
+    # its op's identity against torch's own isend/irecv, a wrapper would be refused
     "send": "send",
     "recv": "recv",
-    "isend": "send",
-    "irecv": "recv",
     "batch_isend_irecv": "p2p",
 }
 _INPUT_KWARGS = ("tensor", "input", "input_tensor", "tensor_list", "tensors", "p2p_op_list")
@@ -190,7 +189,7 @@ class DistPatch:
                 is_async = kwargs.get("async_op")
                 if is_async is None and async_pos is not None and len(args) > async_pos:
                     is_async = args[async_pos]
-                is_async = is_async or name in ("isend", "irecv", "batch_isend_irecv")
+                is_async = is_async or name == "batch_isend_irecv"
                 if tap is not None:
                     tap(args, kwargs, group)
                 nbytes = _call_bytes(args, kwargs)

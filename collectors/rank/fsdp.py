@@ -16,6 +16,7 @@ FSDP pre-divides the input only for reduce dtypes at risk of overflow
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,11 @@ def find_fsdp(model: torch.nn.Module) -> FsdpGroups | None:
 class ReduceScatterTap:
     """Takes the local gradient norm from FSDP's reduce-scatter inputs (training thread)."""
 
-    def __init__(self, state: StepState, shard_groups: list[Any], faults: Faults) -> None:
+    def __init__(
+        self, state: StepState, shard_groups: list[Any], faults: Faults, self_time: Any = None
+    ) -> None:
         self._state = state
+        self._self_time = self_time  # SelfTime: the pass counts as grad_norm_s
         self._keys = {_key(g) for g in shard_groups}
         self._faults = faults
 
@@ -94,7 +98,10 @@ class ReduceScatterTap:
                 inp = args[1]
             if not isinstance(inp, torch.Tensor):
                 return
+            t0 = time.perf_counter()
             norm, nonfinite = tensor_norm_stats(inp)
+            if self._self_time is not None:
+                self._self_time.grad_norm_s += time.perf_counter() - t0
             self._state.local_sq.append(norm)
             self._state.nonfinite.append(nonfinite)
             self._state.fsdp_reductions += 1

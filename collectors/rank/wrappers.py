@@ -41,6 +41,7 @@ class LoopShape:
     fsdp: FsdpGroups | None = None
     dtensor: bool = False
     compiled: bool = False
+    tp: bool = False  # a DTensor mesh dimension other than data parallel (tensor parallel)
     layout: ReplicaLayout | None = None
     dp_groups: list[Any] = field(default_factory=list)  # groups gradients are reduced over
     mesh: Any = None  # the DTensor parameters' mesh when it spans the world
@@ -54,8 +55,8 @@ class LoopShape:
             parts.append("DDP")
         if self.fsdp is not None:
             parts.append("HSDP" if self.fsdp.replicate else "FSDP2")
-        if self.dtensor and self.fsdp is None:
-            parts.append("DTensor")
+        if self.tp:
+            parts.append("TP")
         return "+".join(parts) or "plain"
 
 
@@ -66,6 +67,21 @@ def _dp_groups_of_ddp(model: Any) -> list[Any]:
 
         g = dist.group.WORLD if dist.is_initialized() else None
     return [g] if g is not None else []
+
+
+def _has_model_parallel_dim(params: list[torch.Tensor], dp_groups: list[Any]) -> bool:
+    keys = {str(getattr(g, "group_name", id(g))) for g in dp_groups}
+    for p in params:
+        if is_dtensor(p):
+            mesh = p.device_mesh
+            for dim in range(mesh.ndim):
+                try:
+                    g = mesh.get_group(dim)
+                except Exception:
+                    continue
+                if str(getattr(g, "group_name", id(g))) not in keys:
+                    return True
+    return False
 
 
 def _world_mesh(params: list[torch.Tensor]) -> Any:
@@ -108,6 +124,7 @@ def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopSha
         if shape.ddp:
             groups += _dp_groups_of_ddp(target)
         shape.dp_groups = groups
+        shape.tp = _has_model_parallel_dim(params, groups)
         shape.mesh = _world_mesh(params)
         shape.layout = replica_layout(params, groups)
         lay = shape.layout

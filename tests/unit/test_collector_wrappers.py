@@ -9,6 +9,7 @@ import queue
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from rankscope.collectors import RankCollector
 from rankscope.collectors.rank.topology import resolve_identity
@@ -94,3 +95,46 @@ def test_digest_vote_compares_only_replicas_of_one_shard():
     # without the shard column the two shards never agree: nothing is voted
     plain = [make_frame(lay, f.step, digest=f.digest) for f in frames]
     assert not any(o.signals for o in run_detector(digest_vote, plain)[0])
+
+
+def test_torch_compiled_module_is_attached_through_its_wrapper():
+    q: queue.Queue = queue.Queue()
+    register_channel("wrap-compile", q)
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = torch.compile(inner, backend="eager")  # dynamo, no C++ toolchain needed
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    opt.register_step_pre_hook(lambda o, a, k: norms.append(
+        float(torch.linalg.vector_norm(torch.cat([p.grad.view(-1) for p in inner.parameters()])))
+    ))  # fmt: skip
+    rc = RankCollector.attach(model, opt, job="c", sink="embedded://wrap-compile", rank=0, world=1)
+    for i in range(3):
+        opt.zero_grad()
+        loss = model(torch.full((2, 4), float(i + 1))).sum()
+        loss.backward()
+        rc.loss(loss)
+        opt.step()
+    rc.close()
+    unregister_channel("wrap-compile")
+    steps = [r for r in iter_channel(q) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2] and not rc.faults
+    assert [r["grad_norm"] for r in steps] == [pytest.approx(n, rel=1e-5) for n in norms]
+    assert len({r["param_digest"] for r in steps}) == 3  # the weights moved every step
+
+
+def test_attached_collector_leaves_point_to_point_ops_usable():
+    """Pipeline schedules build ``P2POp(dist.isend, ...)``, which refuses any op that is
+    not torch's own isend/irecv: those two must stay unwrapped."""
+    import torch.distributed as dist
+
+    model = torch.nn.Linear(2, 1)
+    register_channel("wrap-p2p", queue.Queue())
+    rc = RankCollector.attach(model, job="p", sink="embedded://wrap-p2p", rank=0, world=1)
+    try:
+        for op in (dist.isend, dist.irecv):
+            dist.P2POp(op, torch.zeros(1), 0)
+        assert getattr(dist.batch_isend_irecv, "__rankscope_wrapped__", False)
+    finally:
+        rc.close()
+        unregister_channel("wrap-p2p")

@@ -1,0 +1,105 @@
+"""The collector's own training-thread time under FSDP2, side by side with DDP.
+
+Same LM workload and 2 gloo ranks as ``bench_collector_overhead.py``; per
+wrapper, a plain block (no collector) and a collected block run alternately
+on two identical models, and the collector's self-timing (``rc.self_time``)
+is divided by the collected steps. FSDP2's local gradient norm is taken from
+its reduce-scatter input and counted apart (``grad_norm_s``, the
+measurement itself), as for DDP's buckets. Prints figures, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from overhead_workloads import WORKLOADS
+from rankscope.collectors import RankCollector
+
+
+class _NullSink:
+    def send(self, records):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _wrap(kind: str, model):
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.blocks.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _steps(model, opt, work, x, y, n: int, rc) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = work.loss(model(x), y)
+        loss.backward()
+        if work.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), work.clip)
+        if rc is not None:
+            rc.loss(loss)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(kind: str, rank: int, steps: int, block: int = 4) -> dict:
+    """Alternate plain and collected blocks of one wrapper; figures for this rank."""
+    work = WORKLOADS["lm"]()
+    x, y = work.make_batch(rank)
+    arms = {}
+    for arm in ("plain", "collected"):
+        torch.manual_seed(0)
+        model = _wrap(kind, work.make_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rc = None
+        if arm == "collected":
+            rc = RankCollector.attach(model, opt, job=f"bench-{kind}", sink=_NullSink())
+        _steps(model, opt, work, x, y, 3, rc)  # warm-up
+        arms[arm] = {"model": model, "opt": opt, "rc": rc, "t": []}
+    start = arms["collected"]["rc"].self_time
+    for _ in range(max(1, steps // block)):
+        for arm in arms.values():
+            arm["t"] += _steps(arm["model"], arm["opt"], work, x, y, block, arm["rc"])
+    rc = arms["collected"]["rc"]
+    own = rc.self_time.minus(start)
+    rc.close()
+    n = len(arms["collected"]["t"])
+    step_plain = statistics.median(arms["plain"]["t"])
+    step_coll = statistics.median(arms["collected"]["t"])
+    return {
+        "kind": kind,
+        "steps": n,
+        "step_plain_ms": step_plain * 1e3,
+        "step_collected_ms": step_coll * 1e3,
+        "own_us": own.overhead_s / n * 1e6,
+        "grad_norm_us": own.grad_norm_s / n * 1e6,
+        "own_pct": 100 * own.overhead_s / n / step_plain,
+        "faults": rc.faults,
+    }
+
+
+def print_figures(rows: list[dict]) -> None:
+    print("\n[lm] collector self-time by wrapper (2 gloo ranks, plain/collected blocks alternate)")
+    print("wrapper rank  steps  plain step ms  collected step ms  ratio  own us/step  "
+          "own % of step  grad-norm us/step")  # fmt: skip
+    for r in rows:
+        print(f"{r['kind']:7s} {r['rank']:4d} {r['steps']:6d} {r['step_plain_ms']:14.2f} "
+              f"{r['step_collected_ms']:18.2f} {r['step_collected_ms'] / r['step_plain_ms']:6.3f} "
+              f"{r['own_us']:12.0f} {r['own_pct']:14.2f} {r['grad_norm_us']:18.0f}"
+              + (f"  faults {r['faults']}" if r["faults"] else ""))  # fmt: skip
