@@ -282,7 +282,8 @@ def _interleaved(
         "collectives": [{"op": "allreduce", "group": "dp", "seq": 1, "bytes": 4, "s": 1e-4}],
         "loss": torch.tensor(2.0), "digest": lambda: digest_hex(stacks), "lr": 0.01, "tokens": None,
     }  # fmt: skip
-    result["record_us"] = _time_us(lambda: build_step_record({"v": 1, "type": "step"}, pending))
+    base = {"job": "bench", "rank": 0, "world": WORLD, "host": "h"}  # what the collector stamps
+    result["record_us"] = _time_us(lambda: build_step_record(base, pending))
     for _, _, rc in arms.values():
         if rc is not None:
             rc.close()
@@ -413,6 +414,8 @@ def _print(results: list[dict], args) -> None:
 
 
 def _workloads(text: str) -> list[str]:
+    if text == "none":  # only the DDP vs FSDP2 wrapper table
+        return []
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
@@ -428,20 +431,15 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=10, help="MLP steps per timed block")
     ap.add_argument("--lm-steps", type=int, default=120, help="measured LM steps per arm")
     ap.add_argument("--lm-block", type=int, default=2, help="LM steps per timed block")
-    ap.add_argument("--workloads", type=_workloads, default=["mlp", "lm"], help="mlp,lm")
+    ap.add_argument("--workloads", type=_workloads, default=["mlp", "lm"], help="mlp,lm or none")
     ap.add_argument(
         "--instances",
         type=int,
         default=2,
         help="identical models per arm kind (>= 2 prints the plain-vs-plain noise floor)",
     )
-    ap.add_argument(
-        "--wrapper-steps",
-        type=int,
-        default=60,
-        help="LM steps per arm of the DDP vs FSDP2 self-time table (bench/overhead_fsdp2.py); "
-        "0 skips it",
-    )
+    ap.add_argument("--wrapper-steps", type=int, default=60, help="LM steps per arm of the "
+                    "DDP vs FSDP2 self-time table (bench/overhead_fsdp2.py); 0 skips it")
     ap.add_argument(
         "--digest",
         choices=("auto", "inline", "worker"),
@@ -454,15 +452,16 @@ def main() -> int:
     if min(args.steps, args.block, args.lm_steps, args.lm_block, args.instances) < 1:
         ap.error("--steps, --block, --lm-steps, --lm-block and --instances must be >= 1")
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, tmp, args, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        results = sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
-    _print(results, args)
+    if args.workloads:
+        out = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [ctx.Process(target=_worker, args=(r, tmp, args, out)) for r in range(WORLD)]
+            for p in procs:
+                p.start()
+            results = sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+            for p in procs:
+                p.join()
+        _print(results, args)
     if args.wrapper_steps:
         _wrappers(args.wrapper_steps, ctx)
     return 0
