@@ -132,8 +132,8 @@ def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopSha
             shape.digest = False
             shape.missing.append(
                 "param_digest: every data-parallel rank holds its own parameter shard, "
-                "nothing is replicated to compare; left out (the reduced-gradient vote and "
-                "the timing, norm and NaN checks still hold)"
+                "nothing is replicated to compare; left out (the timing, local-norm and NaN "
+                "checks still hold)"
             )
         if not groups:
             shape.missing.append(

@@ -60,10 +60,11 @@ def _assert_common(steps, info, world, work_s=None):
         for r in range(world) if r != SLOW_RANK
     )
     assert slow - base > 0.3 * work_s, (slow, base)
+    window = range(SLOW_FROM + 1, SLOW_UNTIL)
+    slow_comm = _med(steps, SLOW_RANK, "comm_s", window)
     for r in range(world):
-        if r != SLOW_RANK:
-            waiting = _med(steps, r, "comm_s", range(SLOW_FROM + 1, SLOW_UNTIL))
-            assert waiting > _med(steps, r, "comm_s", CLEAN), r
+        if r != SLOW_RANK:  # the peers wait for the straggler, it waits least
+            assert _med(steps, r, "comm_s", window) > slow_comm, r
     for s in range(STEPS):
         for r in range(world):
             colls = steps[s][r].get("collectives", [])
@@ -106,9 +107,9 @@ def test_ddp_nanogpt_style_accumulation_and_clipping(tmp_path):
 
 
 def test_fsdp2_unnamed_mesh(tmp_path):
-    world = 4
-    steps, info = run_loop("fsdp2", world, tmp_path, opts=Opts(steps=STEPS), faults=FAULTS)
-    _assert_common(steps, info, world)
+    world, opts = 4, Opts(steps=STEPS, work_s=0.06)  # FSDP's gloo collectives are noisy
+    steps, info = run_loop("fsdp2", world, tmp_path, opts=opts, faults=FAULTS)
+    _assert_common(steps, info, world, opts.work_s)
     for s in CLEAN:
         recs = [steps[s][r] for r in range(world)]
         assert [r["dp"] for r in recs] == list(range(world))
@@ -122,7 +123,7 @@ def test_fsdp2_unnamed_mesh(tmp_path):
 
 
 def test_hsdp_replicas_of_one_shard(tmp_path):
-    world, opts = 6, Opts(steps=STEPS, work_s=0.04)  # 6 ranks share 2 cores: more device time
+    world, opts = 6, Opts(steps=STEPS, work_s=0.06)  # 6 ranks share 2 cores: more device time
     steps, info = run_loop("fsdp2", world, tmp_path, opts=opts, faults=FAULTS, build_kw={"hsdp": 3})
     _assert_common(steps, info, world, opts.work_s)
     for s in CLEAN:
