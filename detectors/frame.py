@@ -30,6 +30,8 @@ METRIC_COLUMNS = (
     # not a reading: the parameter shard a rank holds under sharded data
     # parallelism (FSDP2/HSDP); only peers of equal shard are replicas
     "shard",
+    # 1.0 where the loop skipped the step's optimizer update (GradScaler found inf/NaN)
+    "skipped",
 )
 # Parallel coordinates; peers share every one of them except ``dp``.
 COORD_NAMES = ("dp", "tp", "pp", "cp", "ep")

@@ -13,6 +13,9 @@ silent data corruption, which ``metric_outlier`` reports, so it opens the
 incident quietly; so does a non-finite reduced norm on a minority of ranks
 (``reduced_grad``'s case). When every rank's reduction is non-finite with no
 local origin, or the origins are not a strict minority, it is unattributed.
+A step the loop skipped (``skipped``: AMP's GradScaler found the inf/NaN and
+did not apply it) is the scaler doing its job; only a run of such steps
+(``handled_skips`` in a row) is an incident.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ class NonfiniteConfig:
 
     # the incident ends after this many consecutive all-finite steps
     quiet_steps_to_close: int = 1
+    # consecutive skipped (GradScaler-handled) non-finite steps before it is an incident
+    handled_skips: int = 4
 
     def __post_init__(self) -> None:
         if self.quiet_steps_to_close < 1:
             raise ValueError("quiet_steps_to_close must be >= 1")
+        if self.handled_skips < 1:
+            raise ValueError("handled_skips must be >= 1")
 
 
 class NonfiniteState:
@@ -51,11 +58,12 @@ class NonfiniteState:
     (per rank: with pipeline parallelism only the last stage may report loss).
     """
 
-    __slots__ = ("open", "quiet", "origin_step", "seen")
+    __slots__ = ("open", "quiet", "origin_step", "seen", "skips")
 
     def __init__(self, cfg: NonfiniteConfig | None = None) -> None:
         self.open = False
         self.quiet = 0
+        self.skips = 0  # consecutive skipped steps with non-finite readings
         self.origin_step = -1
         self.seen: dict[str, np.ndarray] = {c: np.zeros(0, dtype=bool) for c in _COLUMNS}
 
@@ -67,6 +75,7 @@ class NonfiniteState:
             "open": self.open,
             "quiet": self.quiet,
             "origin_step": self.origin_step,
+            "skips": self.skips,
             "seen": {c: np.flatnonzero(v).tolist() for c, v in self.seen.items()},
         }
 
@@ -74,6 +83,7 @@ class NonfiniteState:
         self.open = bool(d.get("open", False))
         self.quiet = int(d.get("quiet", 0))
         self.origin_step = int(d.get("origin_step", -1))
+        self.skips = int(d.get("skips", 0))
         seen = d.get("seen", {})
         for c in _COLUMNS:
             ranks = np.asarray(seen.get(c, []), dtype=np.int64)
@@ -107,7 +117,16 @@ def _nonfinite(frame: StepFrame, state: NonfiniteState, col: str) -> np.ndarray:
     return np.isinf(x) | (np.isnan(x) & was_seen)
 
 
+def _handled(frame: StepFrame) -> bool:
+    """The loop skipped this step's update on a strict majority of the ranks reporting."""
+    skipped = frame.m.get("skipped")
+    if skipped is None or frame.n == 0:
+        return False
+    return int(np.count_nonzero(skipped == 1.0)) * 2 > frame.n
+
+
 def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> DetectorOutput:
+    """The ranks whose local gradient (or loss) went non-finite first in an incident."""
     n = frame.n
     nf = frame.m.get("nonfinite", np.full(n, np.nan))
     g_bad = _nonfinite(frame, state, "grad_norm")
@@ -119,6 +138,7 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
     any_bad = bool(local_bad.any() or loss_bad.any() or reduced_bad.any() or overflow.any())
     out = DetectorOutput()
     if not any_bad:
+        state.skips = 0
         if state.open:
             state.quiet += 1
             if state.quiet >= cfg.quiet_steps_to_close:
@@ -127,6 +147,12 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
     state.quiet = 0
     if state.open:
         return out
+    if _handled(frame):
+        state.skips += 1
+        if state.skips < cfg.handled_skips:
+            return out  # GradScaler skipped the update: routine loss-scale backoff
+    else:
+        state.skips = 0
     state.open = True
     state.origin_step = frame.step
     if local_bad.any():

@@ -160,6 +160,27 @@ def test_nonfinite_blames_local_origin_once_per_incident():
     assert restored.state_dict() == state.state_dict()
 
 
+def test_a_step_the_grad_scaler_skipped_is_not_an_incident_unless_it_repeats():
+    """AMP: one rank's overflow on a skipped step is loss-scale backoff, not a fault;
+    the same origin on handled_skips skipped steps in a row is."""
+    lay = layout(4, 1, 1)
+    ok = {"grad_norm": np.ones(4), "grad_norm_reduced": np.ones(4), "nonfinite": np.zeros(4),
+          "loss": np.full(4, 2.0), "skipped": np.zeros(4)}
+    skip = {"grad_norm": np.array([1.0, np.inf, 1.0, 1.0]), "nonfinite": np.array([0, 3, 0, 0]),
+            "grad_norm_reduced": np.full(4, np.inf), "loss": np.full(4, 2.0),
+            "skipped": np.ones(4)}
+    seq = [ok, ok, skip, ok, skip, ok, ok]
+    outs, _ = run(nonfinite_origin, [make_frame(lay, i, m) for i, m in enumerate(seq)])
+    assert not [s for o in outs for s in o.signals]
+    cfg = nonfinite_origin.NonfiniteConfig(handled_skips=3)
+    outs, _ = run(nonfinite_origin, [make_frame(lay, i, m) for i, m in
+                                     enumerate([ok, skip, skip, skip, skip])], cfg)
+    got = [(i, s.ranks) for i, o in enumerate(outs) for s in o.signals]
+    assert got == [(3, (1,))]
+    with pytest.raises(ValueError, match="handled_skips"):
+        nonfinite_origin.NonfiniteConfig(handled_skips=0)
+
+
 def test_nonfinite_reduced_only_is_unattributed_and_absent_columns_are_not_nan():
     lay = layout(4)
     ok = make_frame(lay, 0, {"grad_norm": np.ones(4), "grad_norm_reduced": np.ones(4)})
