@@ -1,20 +1,10 @@
 """The rank collector: per-step telemetry from an unchanged training loop.
 
-Three lines attach it::
-
-    from rankscope.collectors import RankCollector
-    rc = RankCollector.attach(model, optimizer, job="run-42", sink="file://traces/run-42")
-    # the loop stays as it is; rc.loss(loss) adds the loss, rc.close() at the end (also atexit)
-
-The step boundary is an optimizer step post-hook (``rc.step(loss)`` without an
-optimizer; an AMP-skipped step through ``amp.py``). Optimizer hooks registered
-BEFORE attach run before the collector's, so their effect is in that step's
-``param_digest``. Attach finds the wrappers (DDP, FSDP2/HSDP, DTensor,
-``torch.compile``; ``wrappers.py``) and says at WARNING what it cannot collect.
-What runs on the training thread, where each field is taken and what it costs
-(``rc.self_time``): docs/collectors.md. No hook raises into training: a failure
-of the collector's own code is counted per part and said once at WARNING
-(``faults.py``, ``rc.faults``); the record goes out without that field.
+``RankCollector.attach(model, optimizer, job=..., sink=...)`` finds the wrappers
+(``wrappers.py``), hooks the optimizer step as the step boundary and never
+raises into training: a failure of its own code is counted per part and said
+once at WARNING (``faults.py``). Where each field is taken and what it costs:
+docs/collectors.md.
 """
 
 from __future__ import annotations
