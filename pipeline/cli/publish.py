@@ -8,9 +8,12 @@ per-message overhead, not JSON, is what limits a Python consumer, so batching
 is what lets ``serve`` keep up with 100,000 records a second. ``--batch 1``
 sends the plain one-record-per-message form.
 
-Default is as fast as possible, in file order. ``--rate F`` paces the records
-by their timestamps ``t``, F times faster than the original run (``--rate``
-alone: real time); the trace is then read whole and sorted by ``t``.
+Records go in time order (a k-way merge by ``t`` over the trace's files,
+holding one record per file: a trace of one file per rank reaches ``serve``
+as the ranks produced it); ``--file-order`` sends each file whole, one after
+the other (a test of ``serve``'s tolerance for disorder). Default is as fast
+as possible; ``--rate F`` paces the records by their ``t``, F times faster
+than the original run (``--rate`` alone: real time).
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def register(subparsers) -> None:
         metavar="FACTOR",
         help="pace by record time, FACTOR times faster than the original run (default 1)",
     )
+    p.add_argument(
+        "--file-order",
+        action="store_true",
+        help="send each file whole, one after the other (default: merged by record time)",
+    )
     p.add_argument("--batch", type=int, default=512, help="records per message (default 512)")
     p.add_argument(
         "--partitions", type=int, default=4, help="partitions of topics created (default 4)"
@@ -53,34 +61,47 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _batches(records, batch: int):
-    """Consecutive records of one (topic kind, job), at most ``batch`` together."""
+def _batches(records, batch: int, *, consecutive: bool):
+    """Records of one (topic kind, job), at most ``batch`` together, in their order.
+
+    ``consecutive``: only runs of neighbours share a message (pacing by time needs
+    that); else each key fills its own message, so a time-ordered stream, which
+    interleaves kinds and jobs record by record, still goes in full messages (the
+    order within a topic and job, all a consumer can rely on, is kept)."""
     from rankscope.collectors.schema.kafka import topic_for_record
 
-    key, buf = None, []
+    if consecutive:
+        key, buf = None, []
+        for rec in records:
+            k = (topic_for_record(rec), rec["job"])
+            if buf and (k != key or len(buf) >= batch):
+                yield key, buf
+                buf = []
+            key = k
+            buf.append(rec)
+        if buf:
+            yield key, buf
+        return
+    bufs: dict[tuple[str, str], list[dict]] = {}
     for rec in records:
         k = (topic_for_record(rec), rec["job"])
-        if buf and (k != key or len(buf) >= batch):
-            yield key, buf
-            buf = []
-        key = k
+        buf = bufs.setdefault(k, [])
         buf.append(rec)
-    if buf:
-        yield key, buf
+        if len(buf) >= batch:
+            yield k, bufs.pop(k)
+    yield from bufs.items()
 
 
 def publish_records(bus, records, *, batch: int = 512, rate: float | None = None) -> PublishStats:
     """Send ``records`` (validated dicts) through ``bus``; blocks until delivered."""
     from rankscope.pipeline.bus.kafka import encode_records
 
-    if rate is not None:
-        records = sorted(records, key=lambda r: r.get("t", 0.0))
     stats = PublishStats()
     producer = bus.producer()
     t_start = time.monotonic()
     first_t = None
     try:
-        for (kind, job), recs in _batches(records, batch):
+        for (kind, job), recs in _batches(records, batch, consecutive=rate is not None):
             if rate is not None:
                 rt = recs[-1].get("t")
                 if rt is not None:
@@ -103,6 +124,7 @@ def run(args) -> int:
     from rankscope.pipeline.bus.kafka import KafkaBus
     from rankscope.pipeline.cli.errors import CliError
     from rankscope.pipeline.traces.files import ReadReport, iter_records
+    from rankscope.pipeline.traces.merge import iter_records_by_time
 
     if args.batch < 1:
         raise CliError(f"--batch must be >= 1, got {args.batch}")
@@ -115,9 +137,8 @@ def run(args) -> int:
     report = ReadReport()
     try:
         bus.ensure_topics(args.partitions, kinds=("telemetry", "gpu"))
-        stats = publish_records(
-            bus, iter_records(args.trace, report), batch=args.batch, rate=args.rate
-        )
+        read = iter_records if args.file_order else iter_records_by_time
+        stats = publish_records(bus, read(args.trace, report), batch=args.batch, rate=args.rate)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     except Exception as exc:

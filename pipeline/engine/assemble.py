@@ -6,11 +6,10 @@ the world has reported, or when its deadline has passed: the deadline is
 measured from the moment the step's first record arrived. Ranks that did not
 report by then become ``frame.missing`` (absence is evidence too).
 
-Clocks: in ``record`` mode (replay) time is the job's latest ``step`` (or
-``check``) record time ``t``, so a replayed trace times out as it did live
-(beats and GPU samples come from other threads and processes and may run on
-a skewed clock, so they do not expire steps); in ``wall`` mode (the online
-service) the caller passes wall-clock ``now``.
+Clocks: ``record`` (replay): the job's latest ``step``/``check`` time ``t`` (beats
+and GPU samples may run on skewed clocks, so they expire no step); ``event``
+(``serve``): the job's watermark (``watermark.py``), the wall clock only saying
+when a silent rank stops being waited for; ``wall``: the wall clock from arrival.
 
 Robustness: duplicates collapse (the last record of a rank wins), records
 may arrive in any order (frames still come out in step order per job), a
@@ -41,12 +40,12 @@ from rankscope.detectors.frame import StepFrame
 from rankscope.pipeline.engine.columns import build_frame, split_step_table
 from rankscope.pipeline.engine.job_bounds import far_ahead, t_ahead, t_far, too_many_far
 from rankscope.pipeline.engine.step_buffers import JobBuffer, Pending
-from rankscope.pipeline.engine.world_vote import WorldVote, keep_world
+from rankscope.pipeline.engine.world_vote import keep_world
 from rankscope.pipeline.traces.validate import DEFAULT_MAX_WORLD
 
 __all__ = ["AssemblerConfig", "StepAssembler"]
 
-CLOCKS = ("record", "wall")
+CLOCKS = ("record", "event", "wall")
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +54,8 @@ class AssemblerConfig:
     """When a step counts as complete."""
 
     clock: str = "record"
-    """``record``: time is the latest record ``t`` of the job (replay); ``wall``: caller's now."""
+    """``record``: the latest record ``t`` of the job (replay); ``event``: the job's
+    watermark (online); ``wall``: caller's now."""
     deadline_factor: float = 3.0
     """A step is overdue after this many median recent step times..."""
     deadline_floor_s: float = 2.0
@@ -72,11 +72,13 @@ class AssemblerConfig:
     """A step further than this past the job's current step is held to a majority of its ranks."""
     max_t_ahead_s: float = 7 * 86_400.0
     """A record whose ``t`` is further than this past the job's clock is refused."""
+    stall_s: float = 5.0
+    """(``event``) Wall seconds without a record before a rank stops holding the watermark."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
-        for name in ("deadline_factor", "deadline_floor_s", "initial_deadline_s"):
+        for name in ("deadline_factor", "deadline_floor_s", "initial_deadline_s", "stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.recent_steps < 1:
@@ -129,7 +131,8 @@ class StepAssembler:
         """Take validated records; ``step``, ``check`` and ``gpu`` are kept, any ``t`` advances
         the job's record clock. ``now``: wall clock (``wall`` mode; default time.time())."""
         wall = self.cfg.clock == "wall"
-        if wall and now is None:
+        event = self.cfg.clock == "event"
+        if (wall or event) and now is None:
             now = time.time()
         if recs and self._add_step_run(recs, now, wall):
             return
@@ -162,6 +165,8 @@ class StepAssembler:
                         j.stats["world_mismatch"] += 1
                         continue
                     j.world = j.vote.world
+                if event:
+                    j.mark.rank(rank, t, now, step=True)
                 if rec["step"] != step or p is None:
                     step = rec["step"]
                     p = self._pending(j, int(step), now if wall else j.step_clock)
@@ -174,16 +179,24 @@ class StepAssembler:
                 else:
                     p.flags[rank] = 1
                     p.count += 1
+                if t is not None and t > p.t_hi:
+                    p.t_hi = t
                 p.recs.append(rec)
                 j.stats["records"] += 1
             elif kind == "check":
                 if t is not None and t > j.step_clock:
                     j.step_clock = float(t)
+                if event and isinstance(rec.get("rank"), int):
+                    j.mark.rank(rec["rank"], t, now, step=True)
                 c = self._pending(j, int(rec["step"]), now if wall else j.step_clock)
                 if c is not None:
                     c.checks.append(rec)
             elif kind == "gpu":
                 j.gpu.observe(rec)
+                if event:
+                    j.mark.gpu_sample((rec.get("host"), rec.get("gpu"), rec.get("rank")), t, now)
+            elif event and kind == "beat" and isinstance(rec.get("rank"), int):
+                j.mark.rank(rec["rank"], t, now, step=False)
 
     def _add_step_run(self, recs: list[dict], now: float | None, wall: bool) -> bool:
         """``add_records`` for the common batch, ``step`` records of one job, with whole-array
@@ -222,7 +235,7 @@ class StepAssembler:
         the step of each row, e.g. ``bus_decode.StepBatch``), in arrival order: the same
         counters, clocks, marks and order as ``add_records``, with no per-record Python."""
         wall = self.cfg.clock == "wall"
-        if wall and now is None:
+        if self.cfg.clock != "record" and now is None:
             now = time.time()
         dropped = chunk.get("dropped")  # a metric column too (NaN: not reported)
         if dropped is not None and dropped.size and (d := int(np.nansum(dropped))):
@@ -265,6 +278,8 @@ class StepAssembler:
             j.stats["refused"] += refused
         if acc.size == 0:
             return
+        if self.cfg.clock == "event":
+            j.mark.ranks(rank[acc], t[acc], now)
         s = step[acc]
         cuts = np.flatnonzero(s[1:] != s[:-1]) + 1
         bounds = [0, *cuts.tolist(), acc.size]
@@ -283,6 +298,8 @@ class StepAssembler:
             p.count = int(np.count_nonzero(p.seen))
             if b - a > p.count - before:
                 j.stats["duplicates"] += b - a - (p.count - before)
+            if not np.isnan(t[idx]).all():
+                p.t_hi = max(p.t_hi, float(np.nanmax(t[idx])))
             put(p, a, b, idx, whole)
             j.stats["records"] += b - a
 
@@ -293,7 +310,7 @@ class StepAssembler:
         """
         chunks, bad = split_step_table(table, self.cfg.max_world, self._decode_cache)
         wall = self.cfg.clock == "wall"
-        if wall and now is None:
+        if self.cfg.clock != "record" and now is None:
             now = time.time()
         for job, step, ch in chunks:
             j = self._job(job)
@@ -318,6 +335,8 @@ class StepAssembler:
             j.world = j.vote.world
             if ch["rank"].size == 0:
                 continue
+            if self.cfg.clock == "event":
+                j.mark.ranks(ch["rank"], ch["t"], now)
             with np.errstate(invalid="ignore"):
                 t_max = float(np.nanmax(ch["t"])) if not np.isnan(ch["t"]).all() else -math.inf
             j.clock = max(j.clock, t_max)
@@ -331,6 +350,7 @@ class StepAssembler:
             p.count = int(np.count_nonzero(p.seen))
             j.stats["duplicates"] += ch["rank"].size - (p.count - before)
             j.stats["records"] += ch["rank"].size
+            p.t_hi = max(p.t_hi, t_max)
             p.seal()
             p.chunks.append(ch)
         return bad
@@ -352,16 +372,21 @@ class StepAssembler:
         is bounded by its deadline.
         """
         out: list[StepFrame] = []
-        if self.cfg.clock == "wall" and now is None:
+        event = self.cfg.clock == "event"
+        if self.cfg.clock != "record" and now is None:
             now = time.time()
         for j in self._jobs.values():
             at = now if self.cfg.clock == "wall" else j.step_clock
+            if event and j.pending:  # the time every live rank's step records have reached
+                at = j.mark.steps(j.world, now, self.cfg.stall_s, j.step_clock)
             while j.pending:
                 step = min(j.pending)
                 p = j.pending[step]
                 overdue = at is not None and at - p.opened > self.deadline_s(j.name)
                 crowded = len(j.pending) > self.cfg.max_pending_steps
-                if not (p.count >= j.world or overdue or crowded):
+                complete = p.count >= j.world and (  # a GPU job's samples up to it first
+                    not (event and j.mark.gpu) or j.mark.gpu_done(p.t_hi, now, self.cfg.stall_s))
+                if not (complete or overdue or crowded):
                     break
                 if crowded and not overdue and p.count < j.world:
                     j.stats["forced"] += 1
@@ -415,25 +440,11 @@ class StepAssembler:
         if j.hosts.size < world:
             j.hosts = np.concatenate([j.hosts, np.full(world - j.hosts.size, None, object)])
         j.hosts[frame.rank] = frame.host
-        self._learn_duration(j, frame)
+        j.learn_duration(frame)
         j.stats["frames"] += 1
         if frame.missing.size:
             j.stats["partial_frames"] += 1
         return frame
-
-    @staticmethod
-    def _learn_duration(j: JobBuffer, frame: StepFrame) -> None:
-        step_s = frame.m["step_s"]
-        t = frame.t
-        dur = math.nan
-        if np.isfinite(step_s).any():
-            dur = float(np.nanmedian(step_s))
-        elif math.isfinite(j.prev_t) and math.isfinite(t) and t > j.prev_t:
-            dur = t - j.prev_t
-        if math.isfinite(dur) and dur > 0:
-            j.durations.append(dur)
-        if math.isfinite(t):
-            j.prev_t = t
 
     # -- queries -----------------------------------------------------------
     @property
@@ -444,6 +455,13 @@ class StepAssembler:
         """The job's record clock: the latest ``t`` seen in any of its records."""
         j = self._jobs.get(job)
         return j.clock if j is not None else -math.inf
+
+    def watermark(self, job: str, now: float) -> float:
+        """(``event``) Time up to which every live rank's records are in; else the latest t."""
+        j = self._jobs.get(job)
+        if j is None or self.cfg.clock != "event":
+            return j.clock if j is not None else -math.inf
+        return j.mark.records(j.world, now, self.cfg.stall_s, j.clock)
 
     def world(self, job: str) -> int:
         j = self._jobs.get(job)
@@ -474,25 +492,8 @@ class StepAssembler:
         Open steps are not saved: after a restart the bus re-delivers their
         records (offsets are committed only after a step's findings are stored).
         """
-        return {
-            name: {
-                "world": j.world,
-                "world_settled": j.vote.settled,
-                "last_emitted": j.last_emitted,
-                "durations": list(j.durations),
-                "prev_t": j.prev_t if math.isfinite(j.prev_t) else None,
-                "hosts": [h for h in j.hosts.tolist()],
-            }
-            for name, j in self._jobs.items()
-        }
+        return {name: j.state_dict() for name, j in self._jobs.items()}
 
     def load_state_dict(self, d: dict) -> None:
         for name, s in d.items():
-            j = self._job(name)
-            j.world = int(s.get("world", 0))
-            j.vote = WorldVote(j.world, bool(s.get("world_settled", j.world > 0)))
-            j.last_emitted = s.get("last_emitted")
-            j.durations.extend(float(x) for x in s.get("durations", []))
-            prev = s.get("prev_t")
-            j.prev_t = float(prev) if prev is not None else math.nan
-            j.hosts = np.array(list(s.get("hosts", [])) + [None], dtype=object)[:-1]
+            self._job(name).load_state_dict(s)

@@ -19,7 +19,9 @@ changed. Use:
     rows = engine.drain_scores()            # heatmap rows for the store
 
 Online (``serve``), construct with ``EngineConfig(assembler=AssemblerConfig(
-clock="wall"))`` and pass ``now=time.time()``.
+clock="event"))`` and pass ``now=time.time()``: steps and hang checks then go by
+the jobs' event-time watermarks, so a stream in any arrival order gives what
+replay gives (``rankscope.pipeline.engine.watermark``).
 
 Hang monitors (``detectors/hang/monitor.py``) plug in through ``beat_monitor_factory``
 (``job -> monitor``); a monitor gets the job's ``beat`` records through
@@ -142,7 +144,8 @@ def _signal_hosts(assembler, job: str, sig: Signal):
 
 
 class _JobRun:
-    __slots__ = ("states", "incidents", "scores", "monitor", "frames", "errors", "last_step")
+    __slots__ = ("states", "incidents", "scores", "monitor", "frames", "errors", "last_step",
+                 "held_beats")  # fmt: skip
 
     def __init__(self, job, cfgs, cfg: EngineConfig, monitor) -> None:
         self.states = {spec.name: spec.make_state(cfgs[spec.name]) for spec in DETECTORS}
@@ -154,6 +157,7 @@ class _JobRun:
         )
         self.scores = ScoreBuckets(job, cfg.score_cells_per_step)
         self.monitor = monitor
+        self.held_beats: list[dict] = []  # event clock: beats past the watermark wait here
         self.frames = 0
         self.errors: Counter = Counter()
         self.last_step: int | None = None
@@ -175,6 +179,7 @@ class Engine:
         self.beat_monitor_factory = beat_monitor_factory
         if beat_monitor_factory is None and self.cfg.hang_monitor:
             self.beat_monitor_factory = _hang_monitor_factory(self.cfg.assembler.clock == "wall")
+        self._final = False  # flush: the monitor checks at the job's latest time
         self._runs: dict[str, _JobRun] = {}
         self._restored: dict[str, dict] = {}
 
@@ -201,10 +206,15 @@ class Engine:
                 if rec.get("type") == "beat":
                     beats.setdefault(rec["job"], []).append(rec)
             wall = now if self.cfg.assembler.clock == "wall" else None
+            event = self.cfg.assembler.clock == "event"
             for job, bs in beats.items():
-                monitor = self._run(job).monitor
-                if monitor is not None:
-                    monitor.observe_beats(bs, now=wall)
+                run = self._run(job)
+                if run.monitor is None:
+                    continue
+                if event:  # shown to the monitor once the watermark has passed them
+                    run.held_beats.extend(bs)
+                elif run.monitor is not None:
+                    run.monitor.observe_beats(bs, now=wall)
         self.assembler.add_records(records, now)
         return self.tick(now)
 
@@ -247,13 +257,17 @@ class Engine:
             for f in self._process(frame, now):
                 out[f.finding_id] = f
         if self.beat_monitor_factory is not None:
-            for job in list(self._runs):
-                for f in self._check_monitor(job, now):
-                    out[f.finding_id] = f
+            self._final = True  # end of stream: everything has come, the watermark is moot
+            try:
+                for job in list(self._runs):
+                    for f in self._check_monitor(job, now):
+                        out[f.finding_id] = f
+            finally:
+                self._final = False
         return list(out.values())
 
     def _now(self, now: float | None) -> float | None:
-        if now is None and self.cfg.assembler.clock == "wall":
+        if now is None and self.cfg.assembler.clock != "record":
             return time.time()
         return now
 
@@ -326,7 +340,10 @@ class Engine:
             return []
         at = now if self.cfg.assembler.clock == "wall" and now is not None else None
         if at is None:
-            at = self.assembler.clock(job)
+            event = self.cfg.assembler.clock == "event" and now is not None and not self._final
+            at = self.assembler.watermark(job, now) if event else self.assembler.clock(job)
+        if run.held_beats:
+            self._release_beats(run, at if math.isfinite(at) else -math.inf)
         if not math.isfinite(at):
             return []
         try:
@@ -346,6 +363,18 @@ class Engine:
                 run.incidents.update(step, at, [sig], _signal_hosts(self.assembler, job, sig))
             )
         return out
+
+    @staticmethod
+    def _release_beats(run: _JobRun, upto: float) -> None:
+        """Event clock: beats up to the watermark to the monitor, in time order (a rank
+        whose beats are still on their way must not look silent beside its peers')."""
+        held = sorted(run.held_beats, key=lambda b: b.get("t", -math.inf))
+        cut = len(held)
+        while cut and held[cut - 1].get("t", -math.inf) > upto:
+            cut -= 1
+        run.held_beats = held[cut:]
+        if cut:
+            run.monitor.observe_beats(held[:cut], now=None)
 
     # -- results -----------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from collections import Counter, deque
 import numpy as np
 from rankscope.pipeline.engine.columns import PeerGroups, chunk_from_records
 from rankscope.pipeline.engine.gpu_join import GpuJoin
+from rankscope.pipeline.engine.watermark import Watermark
 from rankscope.pipeline.engine.world_vote import WorldVote
 
 __all__ = ["Pending", "JobBuffer", "LOSS_COUNTS", "loss_counts"]
@@ -39,7 +40,7 @@ def loss_counts(stats) -> dict[str, int]:
 class Pending:
     """The records of one step seen so far."""
 
-    __slots__ = ("step", "opened", "flags", "seen", "count", "chunks", "recs", "checks")
+    __slots__ = ("step", "opened", "flags", "seen", "count", "chunks", "recs", "checks", "t_hi")
 
     def __init__(self, step: int, opened: float, world: int) -> None:
         self.step = step
@@ -52,6 +53,7 @@ class Pending:
         self.chunks: list[dict] = []
         self.recs: list[dict] = []
         self.checks: list[dict] = []
+        self.t_hi = -math.inf  # latest t of its step records (event clock: the GPU join waits)
 
     def grow(self, world: int) -> None:
         if len(self.flags) < world:
@@ -73,7 +75,7 @@ class JobBuffer:
 
     __slots__ = (
         "name", "world", "pending", "last_emitted", "clock", "step_clock", "durations", "prev_t",
-        "stats", "gpu", "groups", "hosts", "vote",
+        "stats", "gpu", "groups", "hosts", "vote", "mark",
     )  # fmt: skip
 
     def __init__(self, name: str, recent: int) -> None:
@@ -90,3 +92,38 @@ class JobBuffer:
         self.groups = PeerGroups()
         self.hosts = np.full(0, None, dtype=object)
         self.vote = WorldVote()  # which world the job's ranks claim (world_vote.py)
+        self.mark = Watermark()  # event clock only
+
+    def learn_duration(self, frame) -> None:
+        """The step time of a built frame (its median ``step_s``, else the gap in ``t``)."""
+        step_s = frame.m["step_s"]
+        t = frame.t
+        dur = math.nan
+        if np.isfinite(step_s).any():
+            dur = float(np.nanmedian(step_s))
+        elif math.isfinite(self.prev_t) and math.isfinite(t) and t > self.prev_t:
+            dur = t - self.prev_t
+        if math.isfinite(dur) and dur > 0:
+            self.durations.append(dur)
+        if math.isfinite(t):
+            self.prev_t = t
+
+    def state_dict(self) -> dict:
+        """What outlives a restart (``StepAssembler.state_dict``); open steps do not."""
+        return {
+            "world": self.world,
+            "world_settled": self.vote.settled,
+            "last_emitted": self.last_emitted,
+            "durations": list(self.durations),
+            "prev_t": self.prev_t if math.isfinite(self.prev_t) else None,
+            "hosts": [h for h in self.hosts.tolist()],
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.world = int(s.get("world", 0))
+        self.vote = WorldVote(self.world, bool(s.get("world_settled", self.world > 0)))
+        self.last_emitted = s.get("last_emitted")
+        self.durations.extend(float(x) for x in s.get("durations", []))
+        prev = s.get("prev_t")
+        self.prev_t = float(prev) if prev is not None else math.nan
+        self.hosts = np.array(list(s.get("hosts", [])) + [None], dtype=object)[:-1]

@@ -47,6 +47,7 @@ import orjson
 from rankscope.pipeline.bus.decode import StepBatch, decode_message
 from rankscope.pipeline.bus.kafka import KafkaBus
 from rankscope.pipeline.engine.findings import Finding
+from rankscope.pipeline.serve.align import GpuAligner, StreamClock
 from rankscope.pipeline.serve.config import ServeConfig, ServeStats
 from rankscope.pipeline.serve.db import ServeDb
 from rankscope.pipeline.serve.guard import (
@@ -72,11 +73,16 @@ def _dumps_or_none(rec) -> bytes | None:
         return None
 
 
+SERVE_PENDING_STEPS = 256
+"""Open steps per job ``serve`` holds while waiting for late ranks (the disorder it absorbs)."""
+
+
 def default_engine_factory():
     from rankscope.pipeline.engine.assemble import AssemblerConfig
     from rankscope.pipeline.engine.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(assembler=AssemblerConfig(clock="wall")))
+    asm = AssemblerConfig(clock="event", max_pending_steps=SERVE_PENDING_STEPS)
+    return Engine(EngineConfig(assembler=asm))
 
 
 class Service:
@@ -87,6 +93,8 @@ class Service:
         self.bus = KafkaBus(cfg.bus)
         self.engine_factory = engine_factory
         self.topics = {k: self.bus.topic(k) for k in ("telemetry", "gpu")}
+        self._align = GpuAligner(self.topics["telemetry"], self.topics["gpu"])
+        self._clocks: dict[int, StreamClock] = {}
         self.stats = ServeStats()
         self._stop = threading.Event()
         self._parts: dict[int, PartitionState] = {}
@@ -168,6 +176,7 @@ class Service:
                         part.saved_state = saved[1]
                     self._consumer.seek(tp, saved[0])
                     part.next_offset[tp.topic] = saved[0]
+        self._align.assigned(self._consumer, numbers)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
     def _revoke(self, revoked) -> None:
@@ -207,6 +216,7 @@ class Service:
                 max_records=self.cfg.max_poll_messages,
             )
             now = time.time()
+            self._align.update(self._consumer, self._parts)
             if batch:
                 self._consume(batch, now)
                 last_msg = time.monotonic()
@@ -214,8 +224,8 @@ class Service:
                 self._stop.wait(self.cfg.poll_timeout_s)  # unassigned: poll does not wait
             elif time.monotonic() - last_msg > 1.0:
                 self._resolve_positions()
-            for part in self._parts.values():
-                self._found(part, tick_guarded(part, now, self.stats), now)
+            for pnum, part in self._parts.items():
+                self._found(part, tick_guarded(part, self._stream_now(pnum, now), self.stats), now)
                 if self.cfg.measure_latency:
                     part.built_steps(time.time(), self.stats.step_latency_s)
             self._write()
@@ -228,6 +238,14 @@ class Service:
                     self._found(part, part.engine.flush(), time.time())
                     part.dirty = True  # the flushed state and its offset go in the last checkpoint
                 return
+
+    def _stream_now(self, pnum: int, now: float) -> float:
+        """The partition's engine clock (``align.StreamClock``: held still in a backlog)."""
+        clock = self._clocks.get(pnum)
+        if clock is None:
+            clock = self._clocks[pnum] = StreamClock()
+        lags = [self._align.lag.get((t, pnum)) for t in self.topics.values()]
+        return clock(now, None if None in lags else sum(lags))
 
     def _resolve_positions(self) -> None:
         """Make sure every assigned partition has a fetch position.
@@ -248,12 +266,14 @@ class Service:
         telemetry = self.topics["telemetry"]
         if self.stats._first is None:
             self.stats._first = time.monotonic()
-        for tp, msgs in batch.items():
+        # GPU samples first: a step built from this batch joins the samples up to its time
+        for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic == telemetry):
             part = self._parts.get(tp.partition)
             if part is None:  # assignment we were not told about: start fresh
                 part = self._parts[tp.partition] = PartitionState(self.engine_factory)
             good: list[dict] = []
             fed_from = 0  # index into msgs of the first message not yet fed
+            pnow = self._stream_now(tp.partition, now)
             is_tel = tp.topic == telemetry
             for k, m in enumerate(msgs):
                 bad: list[tuple[int, str, dict]] = []
@@ -271,19 +291,19 @@ class Service:
                 for idx, reason, rec in bad:
                     self._dead(tp, m.offset, idx, reason, _dumps_or_none(rec))
                 if batch is not None:  # step records as columns: records before it go first
-                    self._feed(tp, part, good, msgs[fed_from:k], now)
+                    self._feed(tp, part, good, msgs[fed_from:k], pnow)
                     if is_tel:
                         part.note_batch(batch.job, batch.step, m.offset, now)
-                    self._feed_columns(tp, part, batch, m, now)
+                    self._feed_columns(tp, part, batch, m, pnow)
                     good, fed_from = [], k + 1
                     continue
                 if is_tel:
                     part.note_steps(good, start, m.offset, now)
                 if len(good) >= self.cfg.feed_records or k == len(msgs) - 1:
-                    self._feed(tp, part, good, msgs[fed_from : k + 1], now)
+                    self._feed(tp, part, good, msgs[fed_from : k + 1], pnow)
                     good, fed_from = [], k + 1
             if good:
-                self._feed(tp, part, good, msgs[fed_from:], now)
+                self._feed(tp, part, good, msgs[fed_from:], pnow)
             self.stats.messages += len(msgs)
             part.next_offset[tp.topic] = msgs[-1].offset + 1
             part.dirty = True
