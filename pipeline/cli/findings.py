@@ -23,12 +23,16 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from rankscope.pipeline.cli.tables import FINDING_HEADER, findings_rows, render_table
-    from rankscope.pipeline.store import Store, StoreError
+    from rankscope.pipeline.store import StoreError
+    from rankscope.pipeline.store_read import read_store
 
-    try:
-        with Store(args.db, read_only=True) as store:
+    try:  # a store `serve` holds is read through a snapshot (pipeline/store_read.py)
+        with read_store(args.db) as store:
             findings = store.list_findings(job=args.job, kind=args.kind)
             jobs = [j for j in store.list_jobs() if args.job is None or j["job"] == args.job]
+            if store.snapshot_t is not None:
+                print(f"rankscope findings: {args.db} is held by a writer; read a snapshot "
+                      "taken just now", file=sys.stderr)  # fmt: skip
     except StoreError as exc:
         raise CliError(str(exc)) from None
     if args.json:

@@ -48,3 +48,29 @@ def test_every_sample_trace_serves_as_it_replays(order, replayed, kafka_url, pro
     # the test can fail: every faulty trace has a finding, the clean ones none
     assert len({k[0] for k in replayed}) == len(TRACES) - 2
     assert live == replayed, (sorted(live ^ replayed), err[-3000:])
+
+
+def test_findings_reads_the_store_serve_holds(kafka_url, procs, tmp_path):
+    """`rankscope findings --db D` while `serve` (holding D for its whole life) runs."""
+    from support.kafka import wait_for
+
+    trace = SAMPLE_TRACES / "straggler-1.6x"
+    db = tmp_path / "held.duckdb"
+    group = kafka_url.rsplit("=", 1)[1] + "-serve"
+    serve = rankscope("serve", "--bus", kafka_url, "--db", str(db), "--group", group)
+    procs.append(serve)
+    pub = rankscope("publish", str(trace), "--bus", kafka_url)
+    procs.append(pub)
+    assert pub.wait(timeout=60) == 0
+
+    def listed():
+        p = rankscope("findings", "--db", str(db), "--json")
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err  # never the raw lock error
+        return (out, err) if '"straggler"' in out else None
+
+    out, err = wait_for(listed, 60, "the straggler listed while serve holds the store")
+    assert serve.poll() is None, "serve must still be running (and holding the file)"
+    assert "snapshot" in err
+    serve.terminate()
+    serve.communicate(timeout=60)
