@@ -389,6 +389,9 @@ def _signal(frame, idx, c, w: Waits, state, row: int, rule: str, unattributed: b
     peers = peers[peers != row]
     _, hmed, _ = state.history.assess(frame.rank[row : row + 1], "comm_s")
     ranks = (int(frame.rank[row]),)
+    step_s = step_reference_s(frame)  # the step as it was, the wait for this rank included
+    awaited = float(w.awaited_s[row])
+    slowdown = step_s / (step_s - awaited) if step_s > awaited > 0 else None
     if unattributed:
         ranks = tuple(sorted({ranks[0], *w.partners[row]}))
     return Signal(
@@ -410,6 +413,7 @@ def _signal(frame, idx, c, w: Waits, state, row: int, rule: str, unattributed: b
             compute_s=num(c.x[1, row]),
             compute_peer_median=num(c.median[1, row]),
             root_rank=int(frame.rank[row]),
+            slowdown=num(slowdown),
         ),
         unattributed=unattributed,
     )

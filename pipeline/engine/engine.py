@@ -47,6 +47,7 @@ import numpy as np
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.registry import DETECTORS, default_configs
 from rankscope.detectors.signal import Signal
+from rankscope.detectors.stats.consensus import step_reference_s
 from rankscope.pipeline.engine.assemble import AssemblerConfig, StepAssembler
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.engine.incidents import IncidentTracker
@@ -147,13 +148,14 @@ class _JobRun:
     __slots__ = ("states", "incidents", "scores", "monitor", "frames", "errors", "last_step",
                  "held_beats")  # fmt: skip
 
-    def __init__(self, job, cfgs, cfg: EngineConfig, monitor) -> None:
+    def __init__(self, job, cfgs, cfg: EngineConfig, monitor, job_hosts=None) -> None:
         self.states = {spec.name: spec.make_state(cfgs[spec.name]) for spec in DETECTORS}
         self.incidents = IncidentTracker(
             job,
             cfg.policy,
             merge_gap_steps=cfg.merge_gap_steps,
             report_transient=cfg.report_transient,
+            job_hosts=job_hosts,
         )
         self.scores = ScoreBuckets(job, cfg.score_cells_per_step)
         self.monitor = monitor
@@ -188,7 +190,9 @@ class Engine:
         run = self._runs.get(job)
         if run is None:
             monitor = self.beat_monitor_factory(job) if self.beat_monitor_factory else None
-            run = self._runs[job] = _JobRun(job, self.detector_configs, self.cfg, monitor)
+            run = self._runs[job] = _JobRun(
+                job, self.detector_configs, self.cfg, monitor, lambda: self._job_hosts(job)
+            )
             saved = self._restored.pop(job, None)
             if saved is not None:
                 self._load_run(run, saved)
@@ -306,7 +310,9 @@ class Engine:
         run.last_step = frame.step
         run.scores.add(frame.step, frame.world, frame.rank, scores)
         t = self._event_time(frame.job, frame.t, now)
-        return run.incidents.update(frame.step, t, signals, self._hosts_fn(frame))
+        return run.incidents.update(
+            frame.step, t, signals, self._hosts_fn(frame), step_s=step_reference_s(frame)
+        )
 
     def _fail(self, run: _JobRun, name: str, what: str, frame: StepFrame) -> None:
         if self.cfg.strict:
@@ -407,6 +413,11 @@ class Engine:
             for k, v in run.errors.items():
                 out[f"error.{k}"] = v
         return out
+
+    def _job_hosts(self, job: str) -> set[str]:
+        hosts = set(self.assembler.hosts_of(job, range(self.assembler.world(job))))
+        hosts.discard("?")
+        return hosts
 
     def job_summary(self, job: str) -> dict:
         """What the store's ``jobs`` table holds for one job."""

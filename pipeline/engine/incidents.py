@@ -6,7 +6,10 @@ an open incident of its kind with exactly its ranks, else one whose ranks
 overlap (a fault flickering between "ranks 3 and 5" and "rank 3" is still one
 incident), else it opens a new one. An incident closes when
 ``merge_gap_steps`` steps pass without a signal; a later signal then opens a
-new incident (and a new finding).
+new incident (and a new finding). A ``degraded`` slowness incident (too mild
+to act on, ``policy.degraded``) is kept after it goes quiet: a later mild
+signal on the same ranks reopens it, so a rank persistently a little slow is
+ONE observe finding, not a string of them.
 
 Onset: detectors that need persistence report on the confirming step and
 say how long the streak is (``evidence["streak_steps"]``) or name the onset
@@ -23,21 +26,35 @@ are kept in ``evidence["actions"]`` (the store's ``actions`` table).
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 
 from rankscope.detectors.signal import Signal
 from rankscope.pipeline.engine.findings import Finding, finding_id, plain
-from rankscope.pipeline.engine.policy import SEVERITY_RANK, PolicyConfig, decide_action
+from rankscope.pipeline.engine.pace import JobPace
+from rankscope.pipeline.engine.policy import (
+    SEVERITY_RANK,
+    SLOWNESS_KINDS,
+    PolicyConfig,
+    decide_action,
+    degraded,
+)
 
 __all__ = ["IncidentTracker"]
+
+# Network rules that only say "this rank waited less than the others": with no
+# other rule behind them they fit unaccounted time (a rank with other work) as
+# well as a slow link, so they never evict on their own.
+LONE_WAIT_RULES = frozenset({"last_arrival_or_shortest_wait", "peer_comm_s"})
+SLOWDOWN_SIGNALS = 16  # an incident's sustained slowdown: median over its latest signals
 
 
 class _Incident:
     __slots__ = (
         "kind", "ranks", "first_ranks", "first_step", "last_step", "detected_step",
         "detected_t", "score", "detector", "severity", "evidence", "unattributed",
-        "signals", "detectors", "reported", "fid", "actions",
+        "signals", "detectors", "reported", "fid", "actions", "slowdowns", "rules",
     )  # fmt: skip
 
     def __init__(self, job: str, sig: Signal, step: int) -> None:
@@ -57,7 +74,21 @@ class _Incident:
         self.detectors: set[str] = set()
         self.reported = False
         self.actions: dict[str, dict] = {}  # action -> {"step", "t"} when first decided
+        self.slowdowns: list[float] = []  # per signal: how much slower than its peers
+        self.rules: set[str] = set()
         self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
+
+
+def _slowdown(sig: Signal) -> float | None:
+    """A slowness signal's slowdown over its peers (evidence ``slowdown`` or ``ratio``)."""
+    if sig.kind not in SLOWNESS_KINDS:
+        return None
+    ev = sig.evidence or {}
+    for key in ("slowdown", "ratio"):
+        v = ev.get(key)
+        if isinstance(v, int | float) and v == v and v > 0:
+            return float(v)
+    return None
 
 
 def _onset(sig: Signal, step: int) -> int:
@@ -81,12 +112,16 @@ class IncidentTracker:
         *,
         merge_gap_steps: int = 2,
         report_transient: bool = False,
+        job_hosts: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self.job = job
         self.policy = policy
         self.merge_gap_steps = merge_gap_steps
         self.report_transient = report_transient
+        self.job_hosts = job_hosts  # every host of the job (the one-host evict note)
         self._open: list[_Incident] = []
+        self._degraded: dict[tuple, _Incident] = {}  # (kind, ranks) -> quiet degraded incident
+        self.pace = JobPace()
         self.findings: dict[str, Finding] = {}
         self.host_sdc: Counter = Counter()
 
@@ -100,6 +135,13 @@ class IncidentTracker:
                 return inc
             if overlap is None and inc.ranks & ranks:
                 overlap = inc
+        if overlap is None and not sig.unattributed:
+            slow = _slowdown(sig)
+            dormant = self._degraded.get((sig.kind, tuple(sorted(ranks))))
+            if dormant is not None and (slow is None or degraded(self.policy, sig.kind, slow)):
+                del self._degraded[(sig.kind, tuple(sorted(ranks)))]
+                self._open.append(dormant)  # the same mild slowness again: the same finding
+                return dormant
         return overlap
 
     def update(
@@ -108,8 +150,12 @@ class IncidentTracker:
         t: float,
         signals: Iterable[Signal],
         hosts_of: Callable[[list[int]], list[str]],
+        step_s: float | None = None,
     ) -> list[Finding]:
-        """Fold one step's signals in; close incidents that went quiet; return changed findings."""
+        """Fold one step's signals in; close incidents that went quiet; return changed findings.
+
+        ``step_s``: the job's step time of this step (``JobPace``), when it is a step.
+        """
         touched: dict[int, _Incident] = {}
         ordered = sorted(signals, key=lambda s: (s.kind, sorted(s.ranks), s.detector))
         for sig in ordered:
@@ -121,19 +167,43 @@ class IncidentTracker:
                 self._open.append(inc)
             self._absorb(inc, sig, step, t)
             touched[id(inc)] = inc
+        live = [i for i in self._open if i.reported and not i.unattributed]
+        self.pace.observe(step_s, not live, [i.fid for i in live if i.kind in SLOWNESS_KINDS])
         out = []
         for inc in touched.values():
             f = self._finding(inc, hosts_of, step, t)
             if f is not None:
                 out.append(f)
-        self._open = [i for i in self._open if step - i.last_step <= self.merge_gap_steps]
+        still = []
+        for inc in self._open:
+            if step - inc.last_step <= self.merge_gap_steps:
+                still.append(inc)
+            elif inc.reported and self._is_degraded(inc):
+                self._degraded[(inc.kind, tuple(sorted(inc.ranks)))] = inc
+            else:
+                self.pace.forget(inc.fid)
+        self._open = still
         return out
+
+    def _sustained(self, inc: _Incident) -> float | None:
+        tail = inc.slowdowns[-SLOWDOWN_SIGNALS:]
+        return float(statistics.median(tail)) if tail else None
+
+    def _is_degraded(self, inc: _Incident) -> bool:
+        return not inc.unattributed and degraded(self.policy, inc.kind, self._sustained(inc))
 
     def _absorb(self, inc: _Incident, sig: Signal, step: int, t: float) -> None:
         inc.ranks.update(int(r) for r in sig.ranks)
         inc.last_step = max(inc.last_step, step)
         inc.signals += 1
         inc.detectors.add(sig.detector)
+        slow = _slowdown(sig)
+        if slow is not None:
+            inc.slowdowns.append(slow)
+            del inc.slowdowns[:-SLOWDOWN_SIGNALS]
+        rule = (sig.evidence or {}).get("rule")
+        if rule:
+            inc.rules.add(str(rule))
         score = float(sig.score) if sig.score == sig.score else float("-inf")
         if score > inc.score:
             inc.score = score
@@ -158,6 +228,10 @@ class IncidentTracker:
         hosts = sorted(set(hosts_of(ranks)))
         if inc.kind == "sdc" and inc.fid not in self.findings and not inc.unattributed:
             self.host_sdc.update(hosts)
+        slowdown = self._sustained(inc)
+        corroborated = inc.kind != "network" or bool(inc.rules - LONE_WAIT_RULES) or (
+            len(inc.rules) >= 2 or len(inc.detectors) >= 2
+        )
         action = decide_action(
             self.policy,
             kind=inc.kind,
@@ -165,6 +239,9 @@ class IncidentTracker:
             duration_steps=inc.last_step - inc.first_step + 1,
             host_sdc_incidents=max((self.host_sdc[h] for h in hosts), default=0),
             unattributed=inc.unattributed,
+            slowdown=slowdown,
+            corroborated=corroborated,
+            job_slowdown_z=self.pace.shift_z(inc.fid),
         )
         if action != "observe" and action not in inc.actions:
             inc.actions[action] = {"step": step, "t": plain(float(t))}
@@ -174,6 +251,18 @@ class IncidentTracker:
         evidence["severity"] = inc.severity
         evidence["signals"] = inc.signals
         evidence["detectors"] = sorted(inc.detectors)
+        job_slow = self.pace.slowdown(inc.fid)
+        if job_slow is not None and inc.kind in SLOWNESS_KINDS:
+            evidence["job_slowdown"] = round(job_slow, 4)
+            evidence["job_slowdown_z"] = round(self.pace.shift_z(inc.fid) or 0.0, 2)
+        if slowdown is not None:
+            evidence["slowdown"] = round(slowdown, 4)
+            if degraded(self.policy, inc.kind, slowdown):
+                evidence["degraded"] = True
+        if inc.kind == "network" and not corroborated:
+            evidence["uncorroborated"] = "only shorter waits: other work fits as well as a link"
+        if action == "evict":
+            _one_host_note(evidence, hosts, self.job_hosts)
         f = Finding(
             job=self.job,
             kind=inc.kind,
@@ -197,45 +286,70 @@ class IncidentTracker:
         return len(self._open)
 
     def state_dict(self) -> dict:
-        """Open incidents and host SDC counts (findings themselves live in the store)."""
+        """Open and kept degraded incidents, host SDC counts (findings live in the store)."""
         return {
             "host_sdc": dict(self.host_sdc),
-            "open": [
-                {
-                    "kind": i.kind, "ranks": sorted(i.ranks), "first_ranks": i.first_ranks,
-                    "first_step": i.first_step, "last_step": i.last_step,
-                    "detected_step": i.detected_step, "detected_t": plain(i.detected_t),
-                    "score": plain(i.score), "detector": i.detector, "severity": i.severity,
-                    "evidence": i.evidence, "unattributed": i.unattributed,
-                    "signals": i.signals, "detectors": sorted(i.detectors),
-                    "reported": i.reported, "fid": i.fid, "actions": i.actions,
-                }
-                for i in self._open
-            ],
-        }  # fmt: skip
+            "open": [_inc_dict(i) for i in self._open],
+            "degraded": [_inc_dict(i) for i in self._degraded.values()],
+            "pace": self.pace.state_dict(),
+        }
 
     def load_state_dict(self, d: dict) -> None:
         self.host_sdc = Counter(d.get("host_sdc", {}))
-        self._open = []
-        for s in d.get("open", []):
-            sig = Signal(kind=s["kind"], ranks=tuple(s["first_ranks"]), detector=s["detector"],
-                         score=0.0, unattributed=s["unattributed"])  # fmt: skip
-            inc = _Incident(self.job, sig, s["first_step"])
-            inc.ranks = set(s["ranks"])
-            inc.last_step = s["last_step"]
-            inc.detected_step = s["detected_step"]
-            dt = s.get("detected_t")
-            inc.detected_t = float(dt) if dt is not None else float("nan")
-            sc = s.get("score")
-            inc.score = float(sc) if sc is not None else float("-inf")
-            inc.severity = s["severity"]
-            inc.evidence = s.get("evidence", {})
-            inc.signals = s.get("signals", 0)
-            inc.detectors = set(s.get("detectors", []))
-            inc.reported = s.get("reported", False)
-            inc.actions = dict(s.get("actions", {}))
-            inc.fid = s["fid"]
-            self._open.append(inc)
+        self._open = [_inc_load(self.job, s) for s in d.get("open", [])]
+        kept = [_inc_load(self.job, s) for s in d.get("degraded", [])]
+        self._degraded = {(i.kind, tuple(sorted(i.ranks))): i for i in kept}
+        self.pace = JobPace()
+        self.pace.load_state_dict(d.get("pace", {}))
+
+
+def _one_host_note(evidence: dict, hosts: list[str], job_hosts) -> None:
+    """An evict on a job's only host names the ranks: the host cannot go without the job."""
+    if job_hosts is None:
+        return
+    every = {h for h in job_hosts() if h and h != "?"}
+    if every and every <= set(hosts):
+        evidence["evict_scope"] = "ranks"
+        evidence["host_note"] = (
+            f"{', '.join(sorted(every))} is every host of this job: taking it out stops the "
+            "job; evict the ranks (restart them elsewhere) instead"
+        )
+
+
+def _inc_dict(i: _Incident) -> dict:
+    return {
+        "kind": i.kind, "ranks": sorted(i.ranks), "first_ranks": i.first_ranks,
+        "first_step": i.first_step, "last_step": i.last_step,
+        "detected_step": i.detected_step, "detected_t": plain(i.detected_t),
+        "score": plain(i.score), "detector": i.detector, "severity": i.severity,
+        "evidence": i.evidence, "unattributed": i.unattributed,
+        "signals": i.signals, "detectors": sorted(i.detectors),
+        "reported": i.reported, "fid": i.fid, "actions": i.actions,
+        "slowdowns": list(i.slowdowns), "rules": sorted(i.rules),
+    }  # fmt: skip
+
+
+def _inc_load(job: str, s: dict) -> _Incident:
+    sig = Signal(kind=s["kind"], ranks=tuple(s["first_ranks"]), detector=s["detector"],
+                 score=0.0, unattributed=s["unattributed"])  # fmt: skip
+    inc = _Incident(job, sig, s["first_step"])
+    inc.ranks = set(s["ranks"])
+    inc.last_step = s["last_step"]
+    inc.detected_step = s["detected_step"]
+    dt = s.get("detected_t")
+    inc.detected_t = float(dt) if dt is not None else float("nan")
+    sc = s.get("score")
+    inc.score = float(sc) if sc is not None else float("-inf")
+    inc.severity = s["severity"]
+    inc.evidence = s.get("evidence", {})
+    inc.signals = s.get("signals", 0)
+    inc.detectors = set(s.get("detectors", []))
+    inc.reported = s.get("reported", False)
+    inc.actions = dict(s.get("actions", {}))
+    inc.fid = s["fid"]
+    inc.slowdowns = [float(x) for x in s.get("slowdowns", [])]
+    inc.rules = set(s.get("rules", []))
+    return inc
 
 
 MAX_CAUSES = 20

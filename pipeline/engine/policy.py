@@ -1,30 +1,22 @@
-"""Severity plus duration -> action: the one place that decides evict / recover / observe.
+"""Severity, duration and strength -> action: the one place that picks evict / recover / observe.
 
-Detectors classify (``Signal.severity``); this policy acts. Keeping it apart
-means a site can make eviction more or less eager without touching any
-statistics, and that the rules below are the whole story:
-
-- ``fatal`` (critical XID, uncorrected ECC growth, a hang culprit): evict.
-- ``persistent`` (hardware-like: a straggler, a replica digest that stays
-  wrong): observe while young, evict once it has lasted more than
-  ``evict_after_steps``. A persistent SDC (a digest that is wrong) starts at
-  ``recover`` (rolling back restores the parameters) and is evicted when it
-  stays wrong that long.
-- ``oneshot`` (one corrupted gradient, a non-finite origin): recover (roll
-  back or recompute; the hardware may be fine), unless the same host keeps
-  doing it: ``recurring_sdc_incidents`` SDC incidents on one host evict it.
-- ``transient`` (not confirmed): observe.
-- unattributed findings (no healthy majority to blame either side): observe.
+Detectors classify (``Signal.severity``) and measure (how much slower, how
+long); this policy acts, so a site makes eviction more or less eager here
+without touching any statistics. The rules (docs/detectors.md, "Actions")
+are the whole story: evict only for strong, persistent, corroborated
+evidence; a mild or lone signal is something to watch, never an eviction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PolicyConfig", "decide_action", "SEVERITY_RANK"]
+__all__ = ["PolicyConfig", "decide_action", "SEVERITY_RANK", "SLOWNESS_KINDS"]
 
 # Higher is worse; an incident's severity is the worst any of its signals had.
 SEVERITY_RANK = {"transient": 0, "oneshot": 1, "persistent": 2, "fatal": 3}
+# Kinds whose evidence is a slowdown: they evict only when it is strong and corroborated.
+SLOWNESS_KINDS = frozenset({"straggler", "network"})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +27,16 @@ class PolicyConfig:
     """A persistent fault lasting MORE than this many steps evicts its host."""
     recurring_sdc_incidents: int = 2
     """This many separate SDC incidents on one host evict it (recurring corruption)."""
+    evict_slowdown: float = 1.25
+    """A straggler or slow link evicts only when its sustained slowdown over its peers
+    (the median of its signals' ratios) is at least this; below it the rank is
+    ``degraded``: one ``observe`` finding, however long it lasts."""
+    job_slowdown_z: float = 3.0
+    """... and only when the whole job's step time since the incident began is longer
+    than its quiet baseline by at least this many standard errors
+    (``pipeline/engine/pace.py``): a rank that is really slow makes everyone wait; one
+    that only looks slow (CPU time moved between ranks on a crowded host, other work
+    between collectives) leaves the step as it was."""
 
     def __post_init__(self) -> None:
         if self.evict_after_steps < 1:
@@ -43,6 +45,15 @@ class PolicyConfig:
             raise ValueError(
                 f"recurring_sdc_incidents must be >= 1, got {self.recurring_sdc_incidents}"
             )
+        if not self.evict_slowdown > 1.0:
+            raise ValueError(f"evict_slowdown must be > 1, got {self.evict_slowdown}")
+        if not self.job_slowdown_z > 0:
+            raise ValueError(f"job_slowdown_z must be > 0, got {self.job_slowdown_z}")
+
+
+def degraded(cfg: PolicyConfig, kind: str, slowdown: float | None) -> bool:
+    """A slowness finding too mild to act on (known slowdown below ``evict_slowdown``)."""
+    return kind in SLOWNESS_KINDS and slowdown is not None and slowdown < cfg.evict_slowdown
 
 
 def decide_action(
@@ -53,12 +64,21 @@ def decide_action(
     duration_steps: int,
     host_sdc_incidents: int = 0,
     unattributed: bool = False,
+    slowdown: float | None = None,
+    corroborated: bool = True,
+    job_slowdown_z: float | None = None,
 ) -> str:
     """The action for an incident as it stands now.
 
     ``duration_steps`` counts steps from onset through the latest step seen;
     ``host_sdc_incidents`` is the largest number of SDC incidents (this one
-    included) on any host this incident touches.
+    included) on any host this incident touches; ``slowdown`` the incident's
+    sustained slowdown over its peers (straggler, network; None: not
+    measured); ``corroborated`` False when the only evidence is a lone signal
+    that other explanations fit as well (a rank that merely waited less);
+    ``job_slowdown_z`` how far (standard errors) the job's step time since
+    onset exceeds its quiet baseline (None: no baseline yet, so a slowness
+    finding cannot evict).
     """
     if severity not in SEVERITY_RANK:
         raise ValueError(f"unknown severity {severity!r}")
@@ -69,6 +89,13 @@ def decide_action(
     if kind == "sdc" and host_sdc_incidents >= cfg.recurring_sdc_incidents:
         return "evict"
     if severity == "persistent":
+        if kind in SLOWNESS_KINDS and (
+            degraded(cfg, kind, slowdown)
+            or not corroborated
+            or job_slowdown_z is None
+            or job_slowdown_z < cfg.job_slowdown_z
+        ):
+            return "observe"
         if duration_steps > cfg.evict_after_steps:
             return "evict"
         return "recover" if kind == "sdc" else "observe"

@@ -2,7 +2,9 @@
 
 Layout as Megatron: tp fastest, then dp, then pp; ``ranks_per_host`` ranks per
 host. Faults are injected into the records themselves, so everything
-downstream (trace files, readers, assembler, detectors) runs for real.
+downstream (trace files, readers, assembler, detectors) runs for real. A
+straggler makes the job pay, as in a synchronous job: every rank's step is
+longer by its extra compute and its peers wait that long in ``comm_s``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def make_records(
     rng = np.random.default_rng(seed)
     world = dp * tp * pp
     out = []
+    t_step = T0
     for step in range(steps):
+        late = bool(straggler) and step >= straggler[1]
+        extra = 0.12 * (straggler[2] - 1) if late else 0.0  # what everyone waits for
         for rank in range(world):
             if vanish and rank == vanish[0] and step >= vanish[1]:
                 continue
@@ -44,13 +49,15 @@ def make_records(
             out.append(
                 StepRecord(
                     job=job, rank=rank, step=step, world=world, host=f"h{rank // ranks_per_host}",
-                    t=T0 + step * step_s + 0.001 * rank, dp=d_, tp=t_, pp=p_, step_s=step_s,
-                    compute_s=compute, comm_s=0.05, data_s=0.01,
+                    t=t_step + 0.001 * rank, dp=d_, tp=t_, pp=p_, step_s=step_s + extra,
+                    compute_s=compute, data_s=0.01,
+                    comm_s=0.05 + (extra if late and rank != straggler[0] else 0.0),
                     loss=2.0 + 0.01 * rng.standard_normal(),
                     grad_norm=1.0 + 0.01 * rng.standard_normal(), grad_norm_reduced=1.0,
                     nonfinite=0, param_digest=digest,
                 ).to_dict()
             )  # fmt: skip
+        t_step += step_s + extra
     return out
 
 

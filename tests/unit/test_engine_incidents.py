@@ -114,23 +114,34 @@ def test_recurring_sdc_on_one_host_is_evicted():
     assert b.action == "evict"
 
 
+STRONG = {"slowdown": 1.5, "job_slowdown_z": 8.0}  # a slow rank the whole job waits for
+
+
 @pytest.mark.parametrize(
-    ("kind", "severity", "steps", "host_sdc", "unattr", "action"),
+    ("kind", "severity", "steps", "host_sdc", "unattr", "extra", "action"),
     [
-        ("gpu", "fatal", 1, 0, False, "evict"),
-        ("straggler", "persistent", 5, 0, False, "observe"),
-        ("straggler", "persistent", 6, 0, False, "evict"),
-        ("sdc", "persistent", 1, 1, False, "recover"),
-        ("sdc", "persistent", 6, 1, False, "evict"),
-        ("nonfinite", "oneshot", 1, 0, False, "recover"),
-        ("sdc", "oneshot", 1, 2, False, "evict"),
-        ("straggler", "transient", 9, 0, False, "observe"),
-        ("hang", "fatal", 1, 0, True, "observe"),
+        ("gpu", "fatal", 1, 0, False, {}, "evict"),
+        ("straggler", "persistent", 5, 0, False, STRONG, "observe"),
+        ("straggler", "persistent", 6, 0, False, STRONG, "evict"),
+        ("network", "persistent", 6, 0, False, STRONG, "evict"),
+        # mild (1.1-1.25x): degraded, observed however long
+        ("straggler", "persistent", 500, 0, False, {**STRONG, "slowdown": 1.15}, "observe"),
+        # the job's step is no longer than before: the time is not accounted for
+        ("network", "persistent", 50, 0, False, {**STRONG, "job_slowdown_z": 0.5}, "observe"),
+        ("straggler", "persistent", 50, 0, False, {"slowdown": 1.5}, "observe"),  # no baseline
+        # a lone signal of shorter waits
+        ("network", "persistent", 50, 0, False, {**STRONG, "corroborated": False}, "observe"),
+        ("sdc", "persistent", 1, 1, False, {}, "recover"),
+        ("sdc", "persistent", 6, 1, False, {}, "evict"),
+        ("nonfinite", "oneshot", 1, 0, False, {}, "recover"),
+        ("sdc", "oneshot", 1, 2, False, {}, "evict"),
+        ("straggler", "transient", 9, 0, False, STRONG, "observe"),
+        ("hang", "fatal", 1, 0, True, {}, "observe"),
     ],
 )
-def test_policy(kind, severity, steps, host_sdc, unattr, action):
+def test_policy(kind, severity, steps, host_sdc, unattr, extra, action):
     got = decide_action(PolicyConfig(), kind=kind, severity=severity, duration_steps=steps,
-                        host_sdc_incidents=host_sdc, unattributed=unattr)  # fmt: skip
+                        host_sdc_incidents=host_sdc, unattributed=unattr, **extra)  # fmt: skip
     assert got == action
 
 
@@ -144,6 +155,8 @@ def test_policy_refuses_unknown_severity():
     [
         (PolicyConfig, {"evict_after_steps": 0}),
         (PolicyConfig, {"recurring_sdc_incidents": 0}),
+        (PolicyConfig, {"evict_slowdown": 1.0}),
+        (PolicyConfig, {"job_slowdown_z": 0}),
         (EngineConfig, {"merge_gap_steps": 0}),
         (EngineConfig, {"score_cells_per_step": 0}),
     ],

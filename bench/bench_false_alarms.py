@@ -1,0 +1,128 @@
+"""False alarms and recall on loops rankscope has never seen (issue #14).
+
+Records clean runs of two loop styles people write (``fa_loops.py``:
+nanoGPT-like with accumulation and clipping, DDP-tutorial-like), 4 real gloo
+ranks on whatever host this is (a loaded 2-core one is the point), with the
+real collector on a file:// sink, plus runs with each fault kind injected
+from outside the loop (``fa_faults.py``); then replays every trace through
+``rankscope.pipeline.offline.replay`` and prints findings per 100 clean runs
+by action and kind, and recall and latency per fault kind.
+
+Recording and scoring are separate, so a corpus recorded once is re-scored
+in seconds after every detector change::
+
+    flock /tmp/rankscope-cpu.lock python bench/bench_false_alarms.py --record out/fa --clean 10
+    python bench/bench_false_alarms.py --record out/fa --faults      # one run per fault, per style
+    python bench/bench_false_alarms.py --score out/fa [-v]
+
+``--record`` appends to the folder (new names and seeds), so a corpus grows
+in batches. Without arguments: record a small corpus into a temporary folder
+and score it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fa_score import print_scores, score_corpus  # noqa: E402
+
+STYLES = ("nanogpt", "tutorial")
+
+
+def fault_plan(steps: int) -> list[tuple[str, dict]]:
+    """One of each fault kind, on rank 1..3 in turn, from the middle of the run."""
+    at = steps // 2
+    kinds = [
+        {"kind": "straggler", "factor": 1.5},
+        {"kind": "straggler", "factor": 1.25},
+        {"kind": "sdc-param"},
+        {"kind": "nonfinite"},
+        {"kind": "network", "delay_s": 0.02},
+    ]
+    out = []
+    for i, f in enumerate(kinds):
+        tag = f["kind"] + (str(f.get("factor", f.get("delay_s", ""))) if len(f) > 1 else "")
+        out.append((tag, {**f, "rank": 1 + i % 3, "from": at, "until": None}))
+    return out
+
+
+def _next_index(corpus: Path) -> int:
+    if not corpus.is_dir():
+        return 0
+    nums = [int(p.name.rsplit("-", 1)[-1]) for p in corpus.iterdir()
+            if p.is_dir() and p.name.rsplit("-", 1)[-1].isdigit()]  # fmt: skip
+    return max(nums, default=-1) + 1
+
+
+def plan(corpus: Path, clean: int, faults: bool, steps: int) -> list[dict]:
+    idx = _next_index(corpus)
+    runs = []
+    for i in range(clean):
+        style = STYLES[(idx + i) % len(STYLES)]
+        runs.append({"name": f"clean-{style}-{idx + i:04d}", "style": style,
+                     "seed": idx + i, "steps": steps, "fault": None})  # fmt: skip
+    idx += clean
+    if faults:
+        for style in STYLES:
+            for tag, f in fault_plan(steps):
+                runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
+                             "seed": idx, "steps": steps, "fault": f})  # fmt: skip
+                idx += 1
+    return runs
+
+
+def record(corpus: Path, runs: list[dict], batch: int) -> None:
+    from fa_record import record_batch
+
+    for i in range(0, len(runs), batch):
+        part = runs[i : i + batch]
+        t0 = time.perf_counter()
+        record_batch(part, corpus)
+        dt = time.perf_counter() - t0
+        print(f"recorded {len(part)} runs in {dt:.1f} s ({', '.join(r['name'] for r in part)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--record", metavar="DIR", help="record runs into DIR (appends)")
+    ap.add_argument("--score", metavar="DIR", help="replay and score the runs in DIR")
+    ap.add_argument("--clean", type=int, default=0, help="clean runs to record")
+    ap.add_argument("--faults", action="store_true", help="record one run per fault and style")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
+    ap.add_argument("-v", "--verbose", action="store_true", help="list every finding")
+    a = ap.parse_args(argv)
+    if a.clean < 0 or a.steps < 10 or a.batch < 1:
+        ap.error("--clean must be >= 0, --steps >= 10, --batch >= 1")
+    if a.record and not (a.clean or a.faults):
+        ap.error("--record needs --clean N and/or --faults")
+    if not (a.record or a.score):
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = Path(tmp)
+            record(corpus, plan(corpus, 6, True, a.steps), a.batch)
+            print_scores(score_corpus(corpus), a.verbose)
+        return 0
+    if a.record:
+        corpus = Path(a.record)
+        record(corpus, plan(corpus, a.clean, a.faults, a.steps), a.batch)
+    if a.score:
+        corpus = Path(a.score)
+        if not corpus.is_dir():
+            ap.error(f"--score: {corpus} is not a folder")
+        t0 = time.perf_counter()
+        s = score_corpus(corpus)
+        print_scores(s, a.verbose)
+        print(f"scored in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""Faults injected from OUTSIDE the loop: hooks and a comm hook the launcher adds.
+
+The loops in ``fa_loops.py`` know nothing of faults; a fault is a dict
+(``kind``, ``rank``, ``from`` and its own keys) installed on the model and
+optimizer before the collector attaches (so an optimizer post-hook's flip is
+already in that step's digest), plus an optional DDP communication hook handed
+to ``RankCollector.attach(comm_hook=...)``. ``label()`` writes the ground
+truth in the trace format's ``labels.jsonl`` terms.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["install_fault", "comm_hook_for", "label"]
+
+KINDS = {"straggler": "straggler", "sdc-param": "sdc", "nonfinite": "nonfinite",
+         "network": "network"}  # fmt: skip
+
+
+class StepClock:
+    """The step in progress, read from the collector once it is attached."""
+
+    def __init__(self) -> None:
+        self.rc: Any = None
+
+    def __call__(self) -> int:
+        return self.rc.step_index if self.rc is not None else -1
+
+
+def _active(fault: dict, step: int) -> bool:
+    until = fault.get("until")
+    return step >= fault["from"] and (until is None or step <= until)
+
+
+def _straggler(fault: dict, model: torch.nn.Module, opt, clock: StepClock) -> None:
+    """Sleep ``factor - 1`` times this rank's own clean compute, in the forward pass.
+
+    The clean compute is the median over the steps before the fault of the
+    time from the step's first forward to its update, less the time spent in
+    communication (read from the collector's step state, the same split the
+    record's ``compute_s`` makes). Stretching the current step's forward by its
+    own length instead undershoots on an oversubscribed host: while the rank
+    sleeps, its peers get the cores.
+    """
+    extra = fault["factor"] - 1.0
+    slept: list[int] = []
+    clean: list[float] = []
+
+    def fwd_post(mod, args, out):
+        step = clock()
+        if _active(fault, step) and clean and step not in slept:
+            slept.append(step)
+            time.sleep(extra * sorted(clean)[len(clean) // 2])
+
+    def post(optimizer, a, kw):  # runs before the collector's post-hook: state is this step's
+        st = clock.rc.state if clock.rc is not None else None
+        if st is None or st.first_forward_perf is None or not 1 <= clock() < fault["from"]:
+            return
+        clean.append(max(0.0, time.perf_counter() - st.first_forward_perf - st.comm_s))
+
+    model.register_forward_hook(fwd_post)
+    opt.register_step_post_hook(post)
+
+
+def _largest(model: torch.nn.Module) -> torch.Tensor:
+    return max(model.parameters(), key=lambda p: p.numel())
+
+
+def _flip_bit(value: float, bit: int) -> float:
+    (word,) = struct.unpack("<I", struct.pack("<f", value))
+    return struct.unpack("<f", struct.pack("<I", word ^ (1 << bit)))[0]
+
+
+def _sdc_param(fault: dict, model, opt, clock: StepClock) -> None:
+    """Flip one mantissa bit of one weight right after the faulty step's update."""
+    p = _largest(model)
+    idx = fault.get("index", 7) % p.numel()
+
+    def post(optimizer, args, kwargs):
+        if clock() == fault["from"]:
+            with torch.no_grad():
+                flat = p.view(-1)
+                flat[idx] = _flip_bit(float(flat[idx]), fault.get("bit", 22))
+
+    opt.register_step_post_hook(post)
+
+
+def _nonfinite(fault: dict, model, clock: StepClock) -> None:
+    """One element of this rank's LOCAL gradient becomes NaN in the faulty step."""
+    p = _largest(model)
+
+    def hook(grad):
+        if clock() == fault["from"]:
+            grad = grad.clone()
+            grad.view(-1)[3] = float("nan")
+        return grad
+
+    p.register_hook(hook)
+
+
+def install_fault(fault: dict | None, rank: int, model, opt, clock: StepClock) -> None:
+    """Install ``fault`` when it is this rank's (before ``RankCollector.attach``)."""
+    if fault is None or fault["rank"] != rank:
+        return
+    kind = fault["kind"]
+    if kind == "straggler":
+        _straggler(fault, model, opt, clock)
+    elif kind == "sdc-param":
+        _sdc_param(fault, model, opt, clock)
+    elif kind == "nonfinite":
+        _nonfinite(fault, model, clock)
+    elif kind != "network":
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def comm_hook_for(fault: dict | None, rank: int, world: int, clock: StepClock):
+    """A plain averaging all-reduce hook; a slow link completes ``delay_s`` late here.
+
+    The sleep runs in the reduction's completion callback (the comm thread),
+    so this rank's later buckets and next step start late: peers wait for it.
+    """
+    if fault is None or fault["kind"] != "network" or fault["rank"] != rank:
+        return None
+    delay = fault["delay_s"]
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        buf.div_(world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f):
+            if _active(fault, clock()):
+                time.sleep(delay)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    return hook
+
+
+def label(fault: dict | None, host: str) -> list[dict]:
+    """``labels.jsonl`` lines for a run (none for a clean run)."""
+    if fault is None:
+        return []
+    kind = KINDS[fault["kind"]]
+    one_shot = fault["kind"] == "nonfinite"
+    lab = {
+        "kind": kind,
+        "ranks": [fault["rank"]],
+        "hosts": [host],
+        "step": fault["from"],
+        "until": fault["from"] if one_shot else fault.get("until"),
+        "note": f"bench_false_alarms {fault}",
+    }
+    mag = fault.get("factor", fault.get("delay_s"))
+    if mag is not None:
+        lab["magnitude"] = mag
+    return [lab]

@@ -1,0 +1,157 @@
+"""Two training loops written the way people write them, NOT rankscope's own harness.
+
+``nanogpt``: a small GPT (token + position embeddings, pre-norm blocks, tied
+head), AdamW with warmup and cosine decay, gradient accumulation with
+``no_sync`` on the micro-steps, ``clip_grad_norm_`` before the step.
+``tutorial``: the PyTorch DDP tutorial's shape: an MLP on a ``TensorDataset``
+behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
+
+Both are pure CPU work (no emulated device time): on a 2-core host shared by 4
+ranks the timings carry real scheduling noise, which is the point.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LOOPS", "build_loop"]
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 256, block: int = 32, d: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(_Block(d, 4) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # weight tying, as nanoGPT does
+        self.register_buffer("mask", torch.triu(torch.ones(block, block, dtype=torch.bool), 1))
+        for m in self.modules():  # nanoGPT's init: small normal weights, zero biases
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class NanoGPTLoop:
+    """nanoGPT's train.py shape; ``step()`` runs one optimizer step (all micro-steps)."""
+
+    style = "nanogpt"
+
+    def __init__(self, rank: int, seed: int, steps: int) -> None:
+        torch.manual_seed(seed)  # same initial weights on every rank
+        self.model = TinyGPT()
+        self.block, self.batch, self.accum = 32, 8, 2
+        self.steps = steps
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)  # each rank its own data
+        self.data = torch.randint(0, 256, (20_000,), generator=gen)
+        self.gen = gen
+
+    def make_optimizer(self, ddp: nn.Module) -> torch.optim.Optimizer:
+        self.ddp = ddp
+        self.opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1,
+                                     betas=(0.9, 0.95))  # fmt: skip
+        return self.opt
+
+    def _lr(self, it: int) -> float:
+        warm = 5
+        if it < warm:
+            return 1e-3 * (it + 1) / warm
+        ratio = (it - warm) / max(1, self.steps - warm)
+        return 1e-4 + 0.5 * (1 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(self.data) - self.block - 1, (self.batch,), generator=self.gen)
+        x = torch.stack([self.data[i : i + self.block] for i in ix])
+        y = torch.stack([self.data[i + 1 : i + 1 + self.block] for i in ix])
+        return x, y
+
+    def step(self, it: int, rc) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = self._lr(it)
+        for micro in range(self.accum):
+            x, y = self._batch()
+            sync = micro == self.accum - 1
+            with nullcontext() if sync else self.ddp.no_sync():
+                loss = self.ddp(x, y) / self.accum
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
+        self.opt.step()
+        rc.loss(loss.detach() * self.accum)
+        self.opt.zero_grad(set_to_none=True)
+
+
+class TutorialLoop:
+    """The DDP tutorial's shape: sampler, loader, SGD, MSE; ``step()`` is one batch."""
+
+    style = "tutorial"
+
+    def __init__(self, rank: int, seed: int, steps: int) -> None:
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512),
+                                   nn.ReLU(), nn.Linear(512, 8))  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        xs = torch.randn(4096, 64, generator=gen)
+        ys = torch.randn(4096, 8, generator=gen)
+        ds = TensorDataset(xs, ys)
+        self.sampler = DistributedSampler(ds, shuffle=True, seed=seed)
+        self.loader = DataLoader(ds, batch_size=64, sampler=self.sampler)
+        self.epoch = 0
+        self.it = iter(())
+
+    def make_optimizer(self, ddp: nn.Module) -> torch.optim.Optimizer:
+        self.ddp = ddp
+        self.opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        return self.opt
+
+    def step(self, it: int, rc) -> None:
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.sampler.set_epoch(self.epoch)
+            self.epoch += 1
+            self.it = iter(self.loader)
+            x, y = next(self.it)
+        self.opt.zero_grad()
+        loss = F.mse_loss(self.ddp(x), y)
+        loss.backward()
+        self.opt.step()
+        rc.loss(loss.detach())
+
+
+LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop}
+
+
+def build_loop(style: str, rank: int, seed: int, steps: int):
+    """A fresh loop of ``style`` (its model built with ``seed``, same on every rank)."""
+    return LOOPS[style](rank, seed, steps)

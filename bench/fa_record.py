@@ -1,0 +1,68 @@
+"""Record a batch of runs: 4 real gloo processes, the real collector, file:// sinks.
+
+One ``torch.multiprocessing.spawn`` per batch; inside it each run builds a
+fresh model, wraps it in DDP over the same process group, installs its fault
+(if any) from outside the loop, attaches ``RankCollector`` to its own trace
+folder, trains, closes. Reusing the processes across runs keeps start-up
+(torch import, rendezvous) from eating the 2 shared cores; every run still
+has its own model, optimizer, collector and trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fa_faults import StepClock, comm_hook_for, install_fault, label
+from fa_loops import build_loop
+
+__all__ = ["record_batch"]
+
+HOST = "node00"  # one host: 4 ranks on this machine
+
+
+def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> None:
+    torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 default gives
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from rankscope.collectors import RankCollector
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        for run in runs:
+            fault = run.get("fault")
+            loop = build_loop(run["style"], rank, run["seed"], run["steps"])
+            ddp = DDP(loop.model)
+            opt = loop.make_optimizer(ddp)
+            clock = StepClock()
+            install_fault(fault, rank, loop.model, opt, clock)
+            folder = Path(out) / run["name"]
+            rc = RankCollector.attach(
+                ddp, opt, job=run["name"], sink=f"file://{folder}", host=HOST,
+                comm_hook=comm_hook_for(fault, rank, world, clock),
+            )  # fmt: skip
+            clock.rc = rc
+            for it in range(run["steps"]):
+                loop.step(it, rc)
+            rc.close()
+            dist.barrier()
+            if rank == 0:
+                with open(folder / "labels.jsonl", "w") as fh:
+                    for lab in label(fault, HOST):
+                        fh.write(json.dumps(lab) + "\n")
+                meta = {"generator": "bench_false_alarms", "world": world, **run}
+                (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def record_batch(runs: list[dict], out: Path, world: int = 4) -> None:
+    """Record ``runs`` (dicts: name, style, seed, steps, fault) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(world, init, runs, str(out)), nprocs=world, join=True)

@@ -1,0 +1,137 @@
+"""Score a recorded corpus: replay every run through the engine, count what came out.
+
+Clean runs (an empty ``labels.jsonl``): findings per 100 runs by action and
+kind. Fault runs: recall (a finding of the right kind on exactly the right
+ranks and host, ``pipeline/offline/evaluate.matches``), detection latency in
+steps, and the findings on any other rank (false ones).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from rankscope.pipeline.offline.evaluate import matches
+from rankscope.pipeline.offline.replay import replay_trace
+from rankscope.pipeline.traces.files import ReadReport
+
+__all__ = ["score_corpus", "print_scores"]
+
+
+def _runs(corpus: Path) -> list[Path]:
+    return sorted(p for p in corpus.iterdir() if (p / "labels.jsonl").is_file())
+
+
+def _labels(run: Path) -> list[dict]:
+    lines = (run / "labels.jsonl").read_text().splitlines()
+    return [json.loads(s) for s in lines if s.strip()]
+
+
+def _fault_name(run: Path, lab: dict) -> str:
+    meta = json.loads((run / "meta.json").read_text())
+    f = meta.get("fault") or {}
+    mag = f.get("factor", f.get("delay_s"))
+    return f"{f.get('kind', lab['kind'])}" + (f" {mag}" if mag is not None else "")
+
+
+def _compute_ratio(run: Path, rank: int, start: int) -> float | None:
+    """Median, over the faulty steps, of the rank's compute_s over its peers' median:
+    what an injected slowdown really came to on this host."""
+    rows: dict[int, dict[int, float]] = defaultdict(dict)
+    for path in run.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("type") == "step" and r["step"] >= start and r.get("compute_s"):
+                rows[r["step"]][r["rank"]] = r["compute_s"]
+    ratios = []
+    for per in rows.values():
+        peers = [v for k, v in per.items() if k != rank]
+        if rank in per and peers:
+            ratios.append(per[rank] / statistics.median(peers))
+    return statistics.median(ratios) if ratios else None
+
+
+def score_corpus(corpus: Path) -> dict:
+    """Replay each run of ``corpus``; the counts ``print_scores`` prints."""
+    clean = Counter()
+    clean_runs = defaultdict(int)  # style -> runs
+    clean_by_style = defaultdict(Counter)
+    faults = defaultdict(
+        lambda: {"runs": 0, "found": 0, "lat": [], "other": Counter(), "ratio": []}
+    )
+    details: list[str] = []
+    report = ReadReport()
+    for run in _runs(corpus):
+        style = json.loads((run / "meta.json").read_text()).get("style", "?")
+        labels = _labels(run)
+        res = replay_trace(run, report=report)
+        if not labels:
+            clean_runs[style] += 1
+            for f in res.findings:
+                clean[(f.action, f.kind)] += 1
+                clean_by_style[style][f.action] += 1
+                details.append(f"  clean {run.name}: {f.kind} {f.action} ranks={f.ranks} "
+                               f"steps {f.first_step}-{f.last_step} score={f.score:.2f} "
+                               f"rule={f.evidence.get('rule', '')}")  # fmt: skip
+            continue
+        for lab in labels:
+            fs = faults[_fault_name(run, lab)]
+            fs["runs"] += 1
+            if lab["kind"] == "straggler":
+                ratio = _compute_ratio(run, lab["ranks"][0], lab["step"])
+                if ratio is not None:
+                    fs["ratio"].append(ratio)
+            hits = [f for f in res.findings if not f.unattributed and matches(f, lab)]
+            if hits:
+                fs["found"] += 1
+                fs["lat"].append(max(0, min(f.detected_step for f in hits) - lab["step"]))
+            for f in res.findings:
+                if f not in hits:
+                    fs["other"][(f.action, f.kind)] += 1
+                    details.append(
+                        f"  fault {run.name}: extra {f.kind} {f.action} ranks={f.ranks} "
+                        f"steps {f.first_step}-{f.last_step} rule={f.evidence.get('rule', '')}"
+                    )
+            if not hits:
+                details.append(f"  fault {run.name}: MISSED {lab['kind']} rank {lab['ranks']}")
+    return {"clean": clean, "clean_runs": dict(clean_runs), "by_style": clean_by_style,
+            "faults": faults, "details": details, "bad": report.bad}  # fmt: skip
+
+
+def print_scores(s: dict, verbose: bool = False) -> None:
+    n = sum(s["clean_runs"].values())
+    print(f"clean runs: {n} ({', '.join(f'{k} {v}' for k, v in sorted(s['clean_runs'].items()))})")
+    per = (lambda c: 100.0 * c / n) if n else (lambda c: float("nan"))
+    by_action = Counter()
+    for (action, _kind), c in s["clean"].items():
+        by_action[action] += c
+    print("findings per 100 clean runs, by action:")
+    for action in ("evict", "recover", "observe"):
+        print(f"  {action:8s} {per(by_action[action]):7.1f}   ({by_action[action]} findings)")
+    if s["clean"]:
+        print("  by action and kind:")
+        for (action, kind), c in sorted(s["clean"].items()):
+            print(f"    {action:8s} {kind:12s} {per(c):7.1f}")
+    for style, runs in sorted(s["clean_runs"].items()):
+        c = s["by_style"][style]
+        print(f"  {style:9s} evict {100 * c['evict'] / runs:6.1f}  recover "
+              f"{100 * c['recover'] / runs:6.1f}  observe {100 * c['observe'] / runs:6.1f}"
+              f"  per 100 runs")  # fmt: skip
+    print("injected faults (recall: right kind on exactly its rank; latency in steps):")
+    print(f"  {'fault':16s} {'runs':>4s} {'recall':>7s} {'lat med':>7s} {'lat max':>7s} "
+          f"{'measured':>8s}  others")  # fmt: skip
+    for name, fs in sorted(s["faults"].items()):
+        rec = fs["found"] / fs["runs"] if fs["runs"] else float("nan")
+        med = statistics.median(fs["lat"]) if fs["lat"] else float("nan")
+        mx = max(fs["lat"]) if fs["lat"] else float("nan")
+        other = ", ".join(f"{a}/{k} {c}" for (a, k), c in sorted(fs["other"].items())) or "-"
+        meas = f"{statistics.median(fs['ratio']):7.2f}x" if fs["ratio"] else "       -"
+        print(f"  {name:16s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas}  {other}")
+    print("  (measured: the faulty rank's compute over its peers' median during the fault)")
+    if s["bad"]:
+        print(f"malformed records: {s['bad']}")
+    if verbose and s["details"]:
+        print("details:")
+        print("\n".join(s["details"]))
