@@ -6,6 +6,8 @@ publishes one signed message to ``<prefix>.control``::
     {"job", "action", "ranks", "hosts", "step", "finding_id", "reason",
      "issued_t", "nonce", "sig"}
 
+``hosts`` is empty when the finding's evidence says ``evict_scope: ranks``
+(an evict on every host of the job: the ranks go, the host cannot).
 ``step`` is the finding's ``first_step`` (the first step the fault showed;
 a rollback goes to ``step - 1``). The signature and the receiver's checks live
 in ``rankscope.collectors.schema.control`` (re-exported here) so that training processes
@@ -48,14 +50,20 @@ def control_message(finding, *, now: float | None = None) -> dict | None:
     if d.get("action") not in CONTROL_ACTIONS:
         return None
     kind, detector = d.get("kind", "?"), d.get("detector", "?")
+    ev = d.get("evidence") or {}
+    reason = f"{kind} on ranks {d.get('ranks')} since step {d['first_step']} ({detector})"
+    hosts = [str(h) for h in d.get("hosts") or []]
+    if d["action"] == "evict" and ev.get("evict_scope") == "ranks":  # the job's only host(s)
+        hosts = []
+        reason += f"; {ev.get('host_note', 'evict the ranks, not the host')}"
     return {
         "job": str(d["job"]),
         "action": d["action"],
         "ranks": [int(r) for r in d.get("ranks") or []],
-        "hosts": [str(h) for h in d.get("hosts") or []],
+        "hosts": hosts,
         "step": int(d["first_step"]),
         "finding_id": str(d["finding_id"]),
-        "reason": f"{kind} on ranks {d.get('ranks')} since step {d['first_step']} ({detector})",
+        "reason": reason,
         "issued_t": time.time() if now is None else now,
     }
 

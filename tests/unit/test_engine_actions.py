@@ -1,0 +1,104 @@
+"""Actions that match the evidence: strong, corroborated, accounted-for slowness evicts;
+mild slowness is one degraded observe finding; a lone shorter wait never evicts; an
+evict on a job's only host names the ranks."""
+
+from __future__ import annotations
+
+from rankscope.detectors.signal import Signal
+from rankscope.pipeline.engine.engine import Engine, EngineConfig
+from rankscope.pipeline.engine.incidents import IncidentTracker
+from rankscope.pipeline.engine.policy import PolicyConfig
+from rankscope.pipeline.serve.control import control_message
+from support.engine_synth import make_records
+
+
+def _slow(rank=3, kind="straggler", ratio=1.5, rule="step_expected", streak=2):
+    ev = {"ratio": ratio, "rule": rule, "streak_steps": streak}
+    if kind == "network":
+        ev = {"slowdown": ratio, "rule": rule, "streak_steps": streak}
+    return Signal(kind=kind, ranks=(rank,), detector=kind, score=5.0, severity="persistent",
+                  evidence=ev)  # fmt: skip
+
+
+def _hosts(ranks):
+    return [f"h{r // 4}" for r in ranks]
+
+
+def _feed(tr, steps, sig_at, step_s_at, make_sig):
+    for s in range(steps):
+        tr.update(s, float(s), [make_sig()] if sig_at(s) else [], _hosts, step_s=step_s_at(s))
+    return sorted(tr.findings.values(), key=lambda f: f.first_step)
+
+
+def test_a_persistently_mild_rank_is_one_degraded_observe_finding():
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    # 1.15x, seen in bursts with long quiet gaps between them, for 400 steps
+    fs = _feed(tr, 400, lambda s: s >= 20 and s % 40 < 10, lambda s: 1.0 + 0.01 * (s % 3),
+               lambda: _slow(ratio=1.15))  # fmt: skip
+    (f,) = fs
+    assert f.action == "observe" and f.evidence["degraded"] is True
+    assert f.first_step == 39 and f.last_step == 369  # onset of the first burst (streak 2)
+
+
+def test_a_strong_slowdown_the_job_pays_for_evicts_once_persistent():
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    fs = _feed(tr, 60, lambda s: s >= 30, lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3),
+               lambda: _slow(ratio=1.5))  # fmt: skip
+    (f,) = fs
+    assert f.action == "evict" and f.first_step == 29
+    assert f.evidence["job_slowdown"] > 1.3 and f.evidence["job_slowdown_z"] > 3
+
+
+def test_slowness_the_job_does_not_pay_for_is_observed():
+    """A rank that looks 1.5x slow while the job's step stays as it was (the host moved
+    CPU time between ranks): the time is not accounted for, no eviction."""
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    fs = _feed(tr, 80, lambda s: s >= 30, lambda s: 1.0 + 0.01 * (s % 3),
+               lambda: _slow(ratio=1.5))  # fmt: skip
+    (f,) = fs
+    assert f.action == "observe" and "degraded" not in f.evidence
+
+
+def test_a_lone_shorter_wait_never_evicts_but_a_corroborated_late_arrival_does():
+    lone = IncidentTracker("j", PolicyConfig())
+    (f,) = _feed(lone, 80, lambda s: s >= 30, lambda s: 1.0 if s < 29 else 1.5,
+                 lambda: _slow(kind="network", rule="peer_comm_s"))  # fmt: skip
+    assert f.action == "observe" and "uncorroborated" in f.evidence
+    late = IncidentTracker("j", PolicyConfig())
+    (g,) = _feed(late, 80, lambda s: s >= 30, lambda s: (1.0 if s < 29 else 1.5) + 0.01 * (s % 2),
+                 lambda: _slow(kind="network", rule="late_arrival_window"))  # fmt: skip
+    assert g.action == "evict"
+
+
+def test_an_evict_on_the_only_host_names_the_ranks_not_the_host():
+    recs = make_records(steps=40, dp=4, tp=1, ranks_per_host=4, straggler=(2, 10, 1.6))
+    engine = Engine(EngineConfig(strict=True))
+    engine.feed(sorted(recs, key=lambda r: r["t"]))
+    engine.flush()
+    (f,) = engine.findings()
+    assert (f.kind, f.ranks, f.hosts, f.action) == ("straggler", [2], ["h0"], "evict")
+    assert f.evidence["evict_scope"] == "ranks" and "h0" in f.evidence["host_note"]
+    msg = control_message(f, now=1.0)
+    assert msg["ranks"] == [2] and msg["hosts"] == []
+    assert "stops the job" in msg["reason"]
+
+
+def test_an_evict_on_one_of_several_hosts_names_the_host():
+    recs = make_records(steps=40, dp=8, tp=1, ranks_per_host=4, straggler=(5, 10, 1.6))
+    engine = Engine(EngineConfig(strict=True))
+    engine.feed(sorted(recs, key=lambda r: r["t"]))
+    engine.flush()
+    (f,) = engine.findings()
+    assert (f.hosts, f.action) == (["h1"], "evict") and "evict_scope" not in f.evidence
+    assert control_message(f, now=1.0)["hosts"] == ["h1"]
+
+
+def test_degraded_incidents_and_the_pace_survive_a_restart():
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    _feed(tr, 60, lambda s: 20 <= s < 30, lambda s: 1.0, lambda: _slow(ratio=1.15))
+    saved = tr.state_dict()
+    tr2 = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    tr2.load_state_dict(saved)
+    (f,) = tr2.update(70, 70.0, [_slow(ratio=1.12)], _hosts, step_s=1.0)
+    assert f.first_step == 19 and f.last_step == 70 and f.action == "observe"
+    assert len(tr2.pace.quiet) == len(tr.pace.quiet)
