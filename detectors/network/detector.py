@@ -228,8 +228,9 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
                 rate.observe(0, n)
         return out
     floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
-    # from here on the step is being analysed: own compute / input times join in
+    # from here on the step is being analysed: own compute / input / unaccounted times join in
     x = np.stack([frame.m.get(col, nan) for col in _COLS])
+    x = np.vstack([x, _unaccounted(frame, x, nan)[None, :]])
     c = peer_consensus(idx, x)
     if has_colls:
         w = collective_waits(frame, floor_s=floor)
@@ -248,7 +249,12 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         w, rule = _from_comm_s(idx, c, cfg, floor, n)
         late = late_win = np.zeros(n, dtype=bool)
     with np.errstate(invalid="ignore"):
-        own_excess = np.nan_to_num(x[1:] - c.median[1:], nan=0.0).max(axis=0)
+        own_excess = np.nan_to_num(x[1:3] - c.median[1:3], nan=0.0).max(axis=0)
+        gap_excess = np.nan_to_num(x[3] - c.median[3], nan=0.0)
+    # without arrival times the only evidence is a shorter wait: time the record does
+    # not account for explains that as well as a late arrival does
+    no_t0 = ~np.isfinite(w.lateness) if w.lateness.shape[0] == n else np.ones(n, dtype=bool)
+    own_excess = np.where(no_t0, np.maximum(own_excess, gap_excess), own_excess)
     root = (w.awaited_s > floor) & (w.waited_s < cfg.victim_frac * w.awaited_s)
     root &= ~(own_excess >= cfg.compute_explains_frac * w.awaited_s)
     if late.any():
@@ -269,6 +275,18 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     for row in np.flatnonzero(pair & (pstreak >= pneed)):
         out.signals.append(_signal(frame, idx, c, w, state, int(row), str(rule[row]), True))
     return out
+
+
+def _unaccounted(frame: StepFrame, x: np.ndarray, nan: np.ndarray) -> np.ndarray:
+    """Step time the record does not account for: ``step_s`` less compute, comm and data.
+
+    Zero in rankscope's own records (compute is what is left); another tool's
+    trace can leave a gap (e.g. pipeline bubbles). A rank that waited less
+    because it spent that time elsewhere, with no more compute and no longer
+    step, is explained by it: less waiting is not a network fault.
+    """
+    with np.errstate(invalid="ignore"):
+        return frame.m.get("step_s", nan) - np.nan_to_num(x).sum(axis=0)
 
 
 def _required(rate: FlagRate, prev, hit, rows: int, cfg: NetworkConfig) -> int:
@@ -341,24 +359,34 @@ def _job_comm_high(state: NetworkState, cfg: NetworkConfig) -> bool:
 
 
 def _intersection(w: Waits, state: NetworkState, cfg: NetworkConfig, floor: float, rule) -> None:
-    """SCOUT's rule: the rank in every slow flat collective and in no fast one."""
-    slow_sets, fast_rows = [], []
-    for name, med_s, rows in w.flat:
+    """SCOUT's rule: the rank in every collective slow inside and in no fast one.
+
+    Slow inside: the instance's own duration (its shortest ``s``) above
+    ``slow_ratio`` x its group's typical one, whoever arrived last. Once a
+    rank is named, the other members of the slow instances spent that excess
+    waiting for its link: it counts as their wait, so a cascade's late
+    arrivers (who only waited in the slow ring) are victims, not roots.
+    """
+    slow_sets, fast_rows = [], set()
+    for name, inside_s, rows in w.inside:
         ring = state.typical.get(name, [])
         base = float(np.median(ring)) if len(ring) >= cfg.history_min_steps else np.nan
         if not np.isfinite(base):
             continue
-        if med_s > cfg.slow_ratio * base and med_s - base > floor:
-            slow_sets.append((frozenset(rows.tolist()), med_s - base))
+        if inside_s > cfg.slow_ratio * base and inside_s - base > floor:
+            slow_sets.append((frozenset(rows.tolist()), inside_s - base))
         else:
-            fast_rows.extend(rows.tolist())
+            fast_rows.update(rows.tolist())
+    if not slow_sets:
+        return
     distinct = {s for s, _ in slow_sets}
-    if len(distinct) < 2:
-        return
-    common = frozenset.intersection(*distinct) - set(fast_rows)
+    common = frozenset.intersection(*distinct) - fast_rows
     union = frozenset.union(*distinct)
-    if not common or len(common) * 2 >= len(union):
+    if len(distinct) < 2 or not common or len(common) * 2 >= len(union):
         return
+    for members, excess in slow_sets:
+        for row in members - common:
+            w.waited_s[row] = max(w.waited_s[row], excess)
     excess = max(e for _, e in slow_sets)
     for row in common:
         w.awaited_s[row] = max(w.awaited_s[row], excess)

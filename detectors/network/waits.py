@@ -17,10 +17,12 @@ and ``waited_s``: the most it waited for someone else. A root is awaited and
 did not itself wait; a victim waited (cascades make victims arrive late to
 the next collective, and their own waits give them away).
 
-Instances where everybody was slow and nobody was clearly awaited (a slow
-link slows a whole ring) are returned too, for the cross-group intersection
-rule. This is plain Python over the step's collectives: the network detector
-only calls it when communication looks wrong, or for small jobs.
+Every instance's own duration (the shortest ``s`` of its members: the last
+arriver waits for nobody, so what it spent inside is the transfer) is
+returned too, for the cross-group intersection rule: a slow link makes every
+collective through it long inside, whoever arrived last. This is plain
+Python over the step's collectives: the network detector only calls it
+when communication looks wrong, or for small jobs.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ class Waits:
     awaited_in: np.ndarray  # number of instances in which the row was the awaited one
     awaited_k: np.ndarray  # largest instance (members) in which the row was awaited
     partners: list[set] = field(default_factory=list)  # distinct ranks that waited for it
-    # (group name, median s, member rows) of every instance without a clear awaited
-    # member, slow or not: the intersection rule needs both
-    flat: list[tuple[str, float, np.ndarray]] = field(default_factory=list)
-    # group name -> median s of its instances this step (for the slowness baseline)
+    # (group name, duration inside: the shortest s, member rows) of every instance,
+    # slow or not: the intersection rule needs both
+    inside: list[tuple[str, float, np.ndarray]] = field(default_factory=list)
+    # group name -> median duration inside of its instances this step (the baseline)
     typical_s: dict[str, float] = field(default_factory=dict)
     gaps: list[float] = field(default_factory=list)  # each instance's wait for its last member
     # mean over the row's instances of (its t0 - the instance's median t0); NaN without t0
@@ -125,17 +127,16 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         rows = np.array([m[0] for m in members], dtype=np.int64)
         s = np.array([m[1] for m in members])
         t0 = np.array([m[2] for m in members])
-        med_s = float(np.nanmedian(s)) if np.isfinite(s).any() else np.nan
-        if np.isfinite(med_s):
-            by_name[name].append(med_s)
+        inside_s = float(np.nanmin(s)) if np.isfinite(s).any() else np.nan
+        if np.isfinite(inside_s):
+            by_name[name].append(inside_s)
+            out.inside.append((name, inside_s, rows))
         if np.isfinite(t0).all():
             late_sum[rows] += t0 - np.median(t0)
             late_cnt[rows] += 1
         a, gap, excess = _awaited(s, t0, floor_s)
         out.gaps.append(max(gap, 0.0))
         if a < 0:
-            if np.isfinite(med_s):
-                out.flat.append((name, med_s, rows))
             continue
         out.awaited_s[rows[a]] = max(out.awaited_s[rows[a]], gap)
         out.awaited_in[rows[a]] += 1
