@@ -59,7 +59,8 @@ def score_corpus(corpus: Path) -> dict:
     clean_runs = defaultdict(int)  # style -> runs
     clean_by_style = defaultdict(Counter)
     faults = defaultdict(
-        lambda: {"runs": 0, "found": 0, "lat": [], "other": Counter(), "ratio": []}
+        lambda: {"runs": 0, "found": 0, "lat": [], "other": Counter(), "ratio": [],
+                 "early": 0, "split": 0}
     )
     details: list[str] = []
     report = ReadReport()
@@ -86,6 +87,8 @@ def score_corpus(corpus: Path) -> dict:
             hits = [f for f in res.findings if not f.unattributed and matches(f, lab)]
             if hits:
                 fs["found"] += 1
+                fs["early"] += any(f.first_step < lab["step"] for f in hits)
+                fs["split"] += len(hits) > 1
                 fs["lat"].append(max(0, min(f.detected_step for f in hits) - lab["step"]))
             for f in res.findings:
                 if f not in hits:
@@ -121,15 +124,18 @@ def print_scores(s: dict, verbose: bool = False) -> None:
               f"  per 100 runs")  # fmt: skip
     print("injected faults (recall: right kind on exactly its rank; latency in steps):")
     print(f"  {'fault':16s} {'runs':>4s} {'recall':>7s} {'lat med':>7s} {'lat max':>7s} "
-          f"{'measured':>8s}  others")  # fmt: skip
+          f"{'measured':>8s} {'early':>5s} {'split':>5s}  others")  # fmt: skip
     for name, fs in sorted(s["faults"].items()):
         rec = fs["found"] / fs["runs"] if fs["runs"] else float("nan")
         med = statistics.median(fs["lat"]) if fs["lat"] else float("nan")
         mx = max(fs["lat"]) if fs["lat"] else float("nan")
         other = ", ".join(f"{a}/{k} {c}" for (a, k), c in sorted(fs["other"].items())) or "-"
         meas = f"{statistics.median(fs['ratio']):7.2f}x" if fs["ratio"] else "       -"
-        print(f"  {name:16s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas}  {other}")
-    print("  (measured: the faulty rank's compute over its peers' median during the fault)")
+        print(f"  {name:16s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas} "
+              f"{fs['early']:5d} {fs['split']:5d}  {other}")  # fmt: skip
+    print("  (measured: the faulty rank's compute over its peers' median during the fault;"
+          " early: runs whose\n   finding starts before the fault; split: runs where the"
+          " fault came out as several findings)")
     if s["bad"]:
         print(f"malformed records: {s['bad']}")
     if verbose and s["details"]:

@@ -276,7 +276,8 @@ class SlowWindow:
         2 steps old). The onset is the change point a CUSUM would estimate:
         the start of the suffix of the window with the largest sum of ``z - d``,
         ``d`` half the window's mean z (a step before the onset holds z ~ 0 and
-        lowers the sum, a step after it holds ~ 2d and raises it).
+        lowers the sum, a step after it holds ~ 2d and raises it), then trimmed
+        while its oldest step's z is below the run's mean: onsets err late, not early.
         """
         ranks = np.asarray(ranks, dtype=np.int64)
         steps = np.asarray(steps, dtype=np.int64)
@@ -289,7 +290,16 @@ class SlowWindow:
             z = np.where(ok, self.zr[cols, rc], 0.0)
             drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
             gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
-            out[sel] = np.argmax(gain, axis=1) + 1
+            back = np.argmax(gain, axis=1) + 1
+            # the oldest step of the run must look like the run (z at least its mean):
+            # one noisy step just before a fault is not its onset
+            for i in range(back.size):
+                while back[i] > 1:
+                    run = z[i, : back[i]][ok[i, : back[i]]]
+                    if z[i, back[i] - 1] >= (run.mean() if run.size else 0.0):
+                        break
+                    back[i] -= 1
+            out[sel] = back
         return out
 
     def _last(self, r: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
