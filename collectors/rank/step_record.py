@@ -2,8 +2,11 @@
 
 The training thread hands over what it measured as cheap references (lazy
 tensors, lists of per-bucket norms, a digest callable); the conversions that
-may wait for a device, the hashing and the clean-up of non-finite values
-happen here, on the sender thread.
+may wait for a device, the hashing and the naming of non-finite values
+happen here, on the sender thread. A non-finite ``loss``, ``lr`` or gradient
+norm is data (the evidence of a NaN origin): it is written as null with
+``nonfinite_fields`` naming the value ("NaN", "Infinity", "-Infinity"), so a
+reader can tell it from a reading that was not reported.
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ def _as_float(value: Any) -> float | None:
     if value is None:
         return None
     try:
-        out = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
-    return out if math.isfinite(out) else None
 
 
 def _combine_norms(norms: list) -> float | None:
@@ -39,29 +41,40 @@ def _combine_norms(norms: list) -> float | None:
     for n in norms:
         v = float(n)
         total += v * v
-    return math.sqrt(total) if math.isfinite(total) else None
+    return math.sqrt(total)
+
+
+def _token(x: float) -> str:
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _put(rec: dict, name: str, value: float | None) -> None:
+    """A finite value as is; a non-finite one as null plus its name in nonfinite_fields."""
+    if value is None:
+        return
+    if math.isfinite(value):
+        rec[name] = value
+    else:
+        rec.setdefault("nonfinite_fields", {})[name] = _token(value)
 
 
 def build_step_record(base: dict, p: dict) -> dict:
     """The record dict for pending step ``p`` of the rank described by ``base``.
 
-    Non-finite readings are left out (JSON has no NaN), never written as null
-    strings; a digest that could not be computed is left out too.
+    Non-finite readings are written as null and named in ``nonfinite_fields``
+    (JSON has no NaN); readings not taken are left out, and so is a digest
+    that could not be computed.
     """
     rec = dict(base)
     for k in _COPIED:
         rec[k] = p[k]
-    loss = _as_float(p["loss"])
-    if loss is not None:
-        rec["loss"] = loss
-    lr = _as_float(p["lr"])
-    if lr is not None:
-        rec["lr"] = lr
+    _put(rec, "loss", _as_float(p["loss"]))
+    _put(rec, "lr", _as_float(p["lr"]))
     if p["local"]:
-        rec["grad_norm"] = _combine_norms(p["local"])
+        _put(rec, "grad_norm", _combine_norms(p["local"]))
         rec["nonfinite"] = int(sum(int(x) for x in p["nonfinite"]))
     if p["reduced"]:
-        rec["grad_norm_reduced"] = _combine_norms(p["reduced"])
+        _put(rec, "grad_norm_reduced", _combine_norms(p["reduced"]))
     if p["digest"] is not None:
         try:
             rec["param_digest"] = p["digest"]()

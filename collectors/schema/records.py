@@ -206,12 +206,18 @@ class StepRecord:
     shard: int | None = None
     # true when the loop skipped this iteration's optimizer step (AMP inf/NaN)
     skipped: bool | None = None
+    # field -> "NaN" | "Infinity" | "-Infinity" for readings that were not finite: those
+    # fields are written as null (JSON has no NaN), so "NaN" and "not reported" differ
+    nonfinite_fields: dict[str, str] | None = None
     v: int = FORMAT_VERSION
     type: str = field(default="step", init=False)
     KIND: ClassVar[str] = "step"
 
     def to_dict(self) -> dict:
-        return _as_dict(self)
+        out = _as_dict(self)
+        for name in self.nonfinite_fields or ():
+            out[name] = None  # written as null; nonfinite_fields says which value it was
+        return out
 
 
 @dataclass(slots=True, kw_only=True)
@@ -289,7 +295,7 @@ class CheckRecord:
         return _as_dict(self)
 
 
-_ANNOTATION_TYPES = {int: _INT, float: _NUM, str: _STR, bool: _BOOL, list: _LIST}
+_ANNOTATION_TYPES = {int: _INT, float: _NUM, str: _STR, bool: _BOOL, list: _LIST, dict: (dict,)}
 
 
 def _table(cls: type) -> dict[str, tuple[tuple[type, ...], bool]]:

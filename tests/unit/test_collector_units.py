@@ -357,8 +357,31 @@ def test_step_boundary_by_rc_step_and_nonfinite_count():
     steps = [r for r in iter_channel(q) if r["type"] == "step"]
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert [r["nonfinite"] for r in steps] == [0, 0, 3]
-    assert "grad_norm" not in steps[2]  # not finite: left out rather than written as NaN
+    # not finite: written as null and named, so "NaN" stays distinct from "not reported"
+    # (it used to be left out, which dropped the evidence without a word)
+    assert steps[2]["grad_norm"] is None and steps[2]["nonfinite_fields"] == {"grad_norm": "NaN"}
+    assert all("nonfinite_fields" not in r for r in steps[:2])
     assert all("loss" in r for r in steps)
+
+
+def test_nonfinite_loss_is_written_as_null_and_named_in_the_file(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rc = RankCollector.attach(model, opt, job="nf", sink=f"file://{tmp_path}", rank=0, world=1)
+    for value in (1.0, float("nan"), float("-inf")):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        rc.loss(torch.tensor(value))
+    rc.close()
+    lines = [ln for f in sorted(tmp_path.glob("*.jsonl")) for ln in f.read_text().splitlines()]
+    assert all("NaN" not in ln or "nonfinite_fields" in ln for ln in lines)
+    trace = read_trace(tmp_path)
+    steps = sorted((r for r in trace.records if r["type"] == "step"), key=lambda r: r["step"])
+    assert trace.report.bad == 0 and [validate_record(dict(r))["step"] for r in steps] == [0, 1, 2]
+    assert steps[0]["loss"] == 1.0 and "nonfinite_fields" not in steps[0]
+    assert steps[1]["loss"] is None and steps[1]["nonfinite_fields"] == {"loss": "NaN"}
+    assert steps[2]["nonfinite_fields"] == {"loss": "-Infinity"}
 
 
 def test_tokens_counted_from_integer_inputs_or_reported_and_huge_norms_stay_finite():
