@@ -62,6 +62,10 @@ class Config:
     """Shortest stall (seconds without any rank finishing a step) ever declared."""
     stall_step_factor: float = 10.0
     """A stall also needs this many recent median step times without progress."""
+    end_stall_min_s: float = 5.0
+    """At the end of a trace (``check_end``: the end of the trace is the end of the job,
+    no more beats can come) a stall of max(this, ``stall_step_factor`` x the p99 step
+    time) is enough: the job was killed stuck (e.g. by a watchdog)."""
     step_window: int = 32
     """How many recent step durations the median uses."""
     silence_min_s: float = 10.0
@@ -83,6 +87,8 @@ class Config:
             raise ValueError("hang Config: stall_min_s should be > 0")
         if not self.stall_step_factor >= 1:
             raise ValueError("hang Config: stall_step_factor should be >= 1")
+        if not self.end_stall_min_s > 0:
+            raise ValueError("hang Config: end_stall_min_s should be > 0")
         if self.step_window < 1 or self.beat_window < 1 or self.offset_steps < 1:
             raise ValueError("hang Config: step_window, beat_window, offset_steps should be >= 1")
         if not self.silence_min_s > 0:
@@ -270,6 +276,15 @@ class HangMonitor:
         typical = statistics.median(j.durations)
         return max(self.cfg.stall_min_s, self.cfg.stall_step_factor * typical)
 
+    def end_deadline_s(self, job: str) -> float:
+        """The stall that counts at the end of a trace: max(end_stall_min_s, factor x p99)."""
+        j = self._jobs.get(job)
+        if j is None or not j.durations:
+            return self.cfg.end_stall_min_s
+        d = sorted(j.durations)
+        p99 = d[min(len(d) - 1, math.ceil(0.99 * len(d)) - 1)]
+        return max(self.cfg.end_stall_min_s, self.cfg.stall_step_factor * p99)
+
     def _silence_limit(self, rs: _Rank) -> float:
         gap = statistics.median(rs.gaps) if rs.gaps else 0.0
         return max(self.cfg.silence_min_s, self.cfg.silence_beat_factor * gap)
@@ -277,8 +292,16 @@ class HangMonitor:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
-    def check(self, now: float, job: str | None = None) -> list[Signal]:
-        """Signals for stalled jobs whose verdict is new or changed since the last check."""
+    def check_end(self, now: float, job: str | None = None) -> list[Signal]:
+        """``check`` at the end of a trace: the stall deadline is ``end_deadline_s``."""
+        return self.check(now, job, deadline=self.end_deadline_s)
+
+    def check(self, now: float, job: str | None = None, *, deadline=None) -> list[Signal]:
+        """Signals for stalled jobs whose verdict is new or changed since the last check.
+
+        ``deadline``: job -> seconds (default ``deadline_s``, the live stall deadline).
+        """
+        deadline_of = deadline or self.deadline_s
         pending, self._unstamped = self._unstamped, []
         for rec in pending:
             self._observe_safe(rec, now)
@@ -292,7 +315,7 @@ class HangMonitor:
                 continue
             offsets = self.offsets(name)
             stalled = now_corrected(j, now, offsets) - since(j, offsets)
-            deadline = self.deadline_s(name)
+            deadline = deadline_of(name)
             if stalled < deadline and not self.ended_abnormally(name, now):
                 j.reported = None
                 continue

@@ -254,7 +254,8 @@ class Engine:
         return list(out.values())
 
     def flush(self) -> list[Finding]:
-        """End of stream: build every open step, final hang check."""
+        """End of stream: build every open step, final hang check (replay: with the
+        end-of-trace stall deadline, ``HangMonitor.check_end``)."""
         now = self._now(None)
         out: dict[str, Finding] = {}
         for frame in self.assembler.flush():
@@ -262,9 +263,12 @@ class Engine:
                 out[f.finding_id] = f
         if self.beat_monitor_factory is not None:
             self._final = True  # end of stream: everything has come, the watermark is moot
+            # replay: the end of the trace is the end of the job; a live service that
+            # stops (wall or event clock) says nothing about its jobs
+            end = self.cfg.assembler.clock == "record"
             try:
                 for job in list(self._runs):
-                    for f in self._check_monitor(job, now):
+                    for f in self._check_monitor(job, now, end=end):
                         out[f.finding_id] = f
             finally:
                 self._final = False
@@ -340,7 +344,9 @@ class Engine:
             return float(record_t)
         return self.assembler.clock(job)
 
-    def _check_monitor(self, job: str, now: float | None) -> list[Finding]:
+    def _check_monitor(self, job: str, now: float | None, end: bool = False) -> list[Finding]:
+        """Ask the job's beat monitor; ``end``: the stream ended (replay: the trace did),
+        so a monitor that has ``check_end`` judges a stall by its end-of-trace deadline."""
         run = self._runs[job]
         if run.monitor is None:
             return []
@@ -353,7 +359,8 @@ class Engine:
         if not math.isfinite(at):
             return []
         try:
-            signals = run.monitor.check(at)
+            check = getattr(run.monitor, "check_end", None) if end else None
+            signals = (check or run.monitor.check)(at)
         except Exception:
             if self.cfg.strict:
                 raise

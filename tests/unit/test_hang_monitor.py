@@ -371,3 +371,35 @@ def test_coordinates_that_do_not_match_the_real_group_fall_back_to_the_name():
     states[3] = {"phase": "forward", "group": "dp", "seq": 19, "done": True}
     signals, _ = freeze(mon, states, 1020.0, 40, step=20)
     assert by_kind(signals) == {"hang": {3}}
+
+
+def test_a_trace_that_ends_stalled_is_judged_by_the_end_deadline():
+    """12 s inside a collective with rank 2 never entering it, then the trace ends
+    (a watchdog killed the job): the live deadline (30 s) was never reached, the
+    end-of-trace one (max(5 s, 10 x p99 step)) was."""
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
+    assert mon.end_deadline_s(JOB) == pytest.approx(5.0)
+    states = {r: blocked("dp", 20) for r in (0, 1, 3)}
+    states[2] = {"phase": "forward"}
+    signals, _ = freeze(mon, states, t, 12, step=20)
+    assert signals == []  # live: not yet
+    assert by_kind(mon.check_end(t + 11)) == {"hang": {2}}
+
+
+def test_a_trace_that_ends_with_one_rank_silent_names_the_crash():
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
+    states = {r: blocked("dp", 20) for r in (0, 1, 2)}
+    states[3] = {"phase": "forward"}
+    signals, _ = freeze(mon, states, t, 12, step=20, dead=(3,))
+    assert signals == []
+    assert by_kind(mon.check_end(t + 11)) == {"crash": {3}}
+
+
+def test_a_trace_that_ends_soon_after_its_last_step_is_no_stall():
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
+    states = {r: blocked("dp", 20) for r in range(4)}
+    freeze(mon, states, t, 3, step=20)
+    assert mon.check_end(t + 2) == []
