@@ -33,7 +33,7 @@ def write_synthetic_trace(out: Path, *, steps: int = 60, world: int = 8, per_hos
                           job: str = SYNTH_JOB, seed: int = 7) -> Path:
     """An 8-rank data-parallel job whose rank 5 slows down 1.8x from step 20 on,
     while its GPU throttles (sw_thermal, falling SM clock, rising temperature)
-    and reports XID 79 once."""
+    and reports XID 79 once; its peers wait for it, so the job's step grows."""
     rng = random.Random(seed)
     recs = []
     t0 = 1_764_460_000.0
@@ -44,7 +44,8 @@ def write_synthetic_trace(out: Path, *, steps: int = 60, world: int = 8, per_hos
             host = f"gpuhost{r // per_host}"
             slow = r == SYNTH_STRAGGLER_RANK and s >= slow_from
             compute = 0.200 * (1.8 if slow else 1.0) * (1 + rng.gauss(0, 0.01))
-            comm = 0.030 * (1 + rng.gauss(0, 0.02)) + (0.0 if slow else 0.16)
+            # its peers wait for it (and only once it is slow): the job's step grows
+            comm = 0.030 * (1 + rng.gauss(0, 0.02)) + (0.16 if s >= slow_from and not slow else 0.0)
             recs.append(StepRecord(
                 job=job, rank=r, step=s, world=world, host=host, t=t, dp=r,
                 step_s=compute + comm + 0.01, compute_s=compute, comm_s=comm, data_s=0.01,
