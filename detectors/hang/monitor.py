@@ -34,6 +34,7 @@ and beat time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -431,3 +432,12 @@ class HangMonitor:
             name: job_from_dict(jd, self.cfg.step_window, self.cfg.beat_window)
             for name, jd in d.get("jobs", {}).items()
         }
+
+
+NAME = "hang"
+CONFIG = Config
+
+
+def make_monitor(cfg: Config, live: bool) -> HangMonitor:
+    """One job's monitor; ``live`` stamps beats with the service's clock at check time."""
+    return HangMonitor(dataclasses.replace(cfg, stamp_at_check=live))

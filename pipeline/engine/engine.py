@@ -23,8 +23,8 @@ clock="event"))`` and pass ``now=time.time()``: steps and hang checks then go by
 the jobs' event-time watermarks, so a stream in any arrival order gives what
 replay gives (``rankscope.pipeline.engine.watermark``).
 
-Hang monitors (``detectors/hang/monitor.py``) plug in through ``beat_monitor_factory``
-(``job -> monitor``); a monitor gets the job's ``beat`` records through
+Beat monitors (``registry.BEAT_DETECTORS``, the hang monitor) plug in through
+``beat_monitor_factory`` (``job -> monitor``); a monitor gets the job's ``beat`` records through
 ``observe_beats(beats, now=...)`` (``now`` is the wall clock online, None in
 replay: the beats' own ``t`` then), every assembled step through ``observe_frame(frame)``
 and is asked ``check(now) -> list[Signal]`` after every feed and tick, with
@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.registry import DETECTORS, default_configs
+from rankscope.detectors.registry import beat_monitor_factory as registered_beat_monitors
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import step_reference_s
 from rankscope.pipeline.engine.assemble import AssemblerConfig, StepAssembler
@@ -87,8 +88,8 @@ class EngineConfig:
     strict: bool = False
     """Raise detector exceptions instead of counting and logging them (tests)."""
     hang_monitor: bool = True
-    """Watch beats for hangs and crashed ranks (``detectors/hang/monitor.py``) when no
-    ``beat_monitor_factory`` is given (online, beats take the service's clock)."""
+    """Watch beats with the registered beat detector (``registry.BEAT_DETECTORS``: hangs
+    and crashed ranks) when no ``beat_monitor_factory`` is given."""
 
     def __post_init__(self) -> None:
         if self.merge_gap_steps < 1:
@@ -119,14 +120,6 @@ def clean_mask(frame: StepFrame, signals: list[Signal]) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             clean &= ~(nonfinite > 0)
     return clean
-
-
-def _hang_monitor_factory(live: bool) -> Callable[[str], BeatMonitor]:
-    """The default beat monitor: ``rankscope.detectors.hang.monitor.HangMonitor``, one per job."""
-    from rankscope.detectors.hang.monitor import Config, HangMonitor
-
-    cfg = Config(stamp_at_check=live)
-    return lambda job: HangMonitor(cfg)
 
 
 def _signal_hosts(assembler, job: str, sig: Signal):
@@ -180,7 +173,7 @@ class Engine:
         self.assembler = StepAssembler(self.cfg.assembler)
         self.beat_monitor_factory = beat_monitor_factory
         if beat_monitor_factory is None and self.cfg.hang_monitor:
-            self.beat_monitor_factory = _hang_monitor_factory(self.cfg.assembler.clock == "wall")
+            self.beat_monitor_factory = registered_beat_monitors(self.cfg.assembler.clock == "wall")
         self._final = False  # flush: the monitor checks at the job's latest time
         self._runs: dict[str, _JobRun] = {}
         self._restored: dict[str, dict] = {}

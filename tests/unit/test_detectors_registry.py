@@ -120,3 +120,21 @@ def test_learning_is_separate_from_detecting():
         after = orjson.dumps(state.state_dict(), option=orjson.OPT_SERIALIZE_NUMPY)
         if spec.name in ("straggler", "metric_outlier"):
             assert orjson.loads(before)["history"] == orjson.loads(after)["history"]
+
+
+def test_the_hang_monitor_is_registered_and_the_engine_knows_it_only_through_the_registry():
+    from rankscope.detectors.hang.monitor import HangMonitor
+    from rankscope.detectors.registry import BEAT_DETECTORS, beat_monitor_factory
+    from rankscope.pipeline.engine.assemble import AssemblerConfig
+    from rankscope.pipeline.engine.engine import Engine, EngineConfig
+    from support.paths import ROOT
+
+    assert [s.name for s in BEAT_DETECTORS] == ["hang"]
+    live = beat_monitor_factory(True)("job")
+    assert isinstance(live, HangMonitor) and live.cfg.stamp_at_check
+    assert not beat_monitor_factory(False)("job").cfg.stamp_at_check
+    replay = Engine(EngineConfig()).beat_monitor_factory("j")
+    wall = Engine(EngineConfig(assembler=AssemblerConfig(clock="wall"))).beat_monitor_factory("j")
+    assert isinstance(replay, HangMonitor) and not replay.cfg.stamp_at_check
+    assert wall.cfg.stamp_at_check
+    assert "detectors.hang" not in (ROOT / "pipeline/engine/engine.py").read_text()
