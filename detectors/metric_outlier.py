@@ -1,21 +1,6 @@
 """Gradient and loss spikes on one rank: silent data corruption in its own work.
 
-A bit flip in the exponent of one gradient element (or of an activation)
-multiplies it by a huge power of two; the rank's LOCAL gradient norm (before
-the all-reduce) jumps far above its peers' while they are fine, or even
-overflows (a non-finite norm while the rank counted no non-finite element:
-that counts as the largest spike). Peers see
-different data, so their norms differ a little; a spike must therefore be
-far out on both scales at once: robust z above ``z_min`` AND at least
-``ratio`` x the peer median, and, once the rank has a clean history, also
-above max(ratio x its own median, median + k x sigma) so a rank whose
-norms are always high is not flagged. Loss uses the same rule with its own
-ratio (a forward corruption shows in the loss; backward only in the norm).
-
-One step is enough (a corruption is an event: severity ``oneshot``, kind
-``sdc``; a loss outlier without a gradient spike is only ``transient``, it
-may be a hard batch). Strict healthy majority and two-peer rules as for stragglers;
-ranks without peers are judged on their history alone.
+Design notes: docs/detectors.md, "detectors/metric_outlier.py".
 """
 
 from __future__ import annotations
@@ -87,6 +72,7 @@ def _own_limit(state, cfg, ranks, i) -> tuple[np.ndarray, np.ndarray]:
 
 
 def detect(frame: StepFrame, state: MetricOutlierState, cfg: MetricOutlierConfig) -> DetectorOutput:
+    """Gradient-norm and loss spikes on one rank against its peers and its own history."""
     out = DetectorOutput()
     n = frame.n
     if n == 0:

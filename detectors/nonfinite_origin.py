@@ -1,21 +1,6 @@
 """Non-finite origin: which ranks produced the first NaN/Inf of an incident.
 
-One NaN in one rank's local gradient becomes NaN on every replica after the
-data-parallel all-reduce, and NaN everywhere from then on; blaming every rank
-that shows NaN would blame the victims. So at the first step with any
-non-finite value, blame only the ranks whose LOCAL gradient was non-finite
-(``nonfinite > 0`` or a non-finite ``grad_norm``), and stay quiet for the rest
-of the incident (until a step whose readings are all finite again).
-When no rank's local gradient is non-finite, ranks with a non-finite local
-loss are the origin. A rank that counted zero non-finite elements but whose
-norm is not finite holds a finite, huge value (an exponent bit flip): that is
-silent data corruption, which ``metric_outlier`` reports, so it opens the
-incident quietly; so does a non-finite reduced norm on a minority of ranks
-(``reduced_grad``'s case). When every rank's reduction is non-finite with no
-local origin, or the origins are not a strict minority, it is unattributed.
-A step the loop skipped (``skipped``: AMP's GradScaler found the inf/NaN and
-did not apply it) is the scaler doing its job; only a run of such steps
-(``handled_skips`` in a row) is an incident.
+Design notes: docs/detectors.md, "detectors/nonfinite_origin.py".
 """
 
 from __future__ import annotations

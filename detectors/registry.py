@@ -1,15 +1,6 @@
 """The list of detectors the engine runs on every assembled step.
 
-Protocol (shared contract): each detector module has a kw_only slotted
-Config dataclass, a State with ``learn(frame, clean_mask)`` (only clean rows
-teach baselines), ``state_dict()`` / ``load_state_dict(d)``, and a pure
-``detect(frame, state, cfg) -> DetectorOutput`` that may advance incident or
-persistence counters in the state but never its baselines. The engine runs
-every spec on a step, builds clean_mask (rows named by no signal of the step
-and with finite readings) and then calls ``state.learn`` for each.
-
-Defaults live in each Config class; ``default_configs`` only instantiates
-them, so there is one place per setting.
+Design notes: docs/detectors.md, "detectors/registry.py".
 """
 
 from __future__ import annotations

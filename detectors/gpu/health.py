@@ -1,14 +1,6 @@
 """GPU health: hardware errors that condemn a GPU at once, no consensus needed.
 
-A critical XID, a rise in uncorrected (double-bit) ECC errors, a failed row
-remap, growing NVLink errors or a GPU at its slowdown / shutdown temperature
-are facts about one device, not deviations from peers: the GPU is broken or
-about to be, whatever its peers do. So the rank using it is signalled on the
-first step that shows it, kind ``gpu``, severity ``fatal`` (the policy evicts
-its host). Counter readings are compared with the last value the rank
-reported on a clean step, so a rise is seen once and then keeps the incident
-open (the baseline does not learn the fault); a counter that goes down (a
-driver reload resets volatile counters) simply becomes the new baseline.
+Design notes: docs/detectors.md, "detectors/gpu/health.py".
 """
 
 from __future__ import annotations
@@ -132,6 +124,7 @@ def _threshold(frame: StepFrame, name: str, default: float) -> np.ndarray:
 
 
 def detect(frame: StepFrame, state: GpuHealthState, cfg: GpuHealthConfig) -> DetectorOutput:
+    """Hardware errors (XID, uncorrectable ECC, failed remap) that condemn a GPU at once."""
     out = DetectorOutput()
     if not has_gpu(frame):
         return out

@@ -1,13 +1,6 @@
 """Read a step's GPU columns (``StepFrame.gpu``) the same way in every GPU detector.
 
-The engine puts the latest ``gpu`` record of each rank into ``frame.gpu`` as
-columns over the frame's rows. Numeric fields are float arrays with NaN where
-a rank has no reading, and ``gpu_t`` is the sample's time; ``clock_events``
-comes as NVML's reason bitmask (pipeline/engine/gpu_join.py), or as an object array of
-name lists, or only as one 0/1 column per reason (``clock_sw_thermal``);
-``xid`` as an object array of lists (None where none). These helpers accept
-all of those forms so that a detector never depends on which one the
-assembler chose, and return plain numpy arrays.
+Design notes: docs/detectors.md, "detectors/gpu/readings.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """GPU throttling: a GPU running slower than its peers (or than it used to).
 
-A GPU held down by heat or by a power brake still computes correctly, only
-slower, and in synchronous training one slow GPU makes everybody wait. NVML
-says why a clock is low (clock-event reasons) but those reasons alone are no
-fault: a busy GPU sits at its power cap all day, like its peers. What is a
-fault is an SM clock (or power draw) clearly below the peer group's, with a
-strict healthy majority to say so, or a clock clearly below the rank's own
-clean history while a thermal or power reason is active (a whole host
-overheating drags its peers too, so peers alone would miss it).
-
-These are soft, consensus signals (kind ``gpu``, severity ``persistent``):
-the deviation must last ``confirm_samples`` distinct GPU samples (readings
-arrive once a second, steps may be faster). The signal carries the rank's
-compute time against its peers, so a straggler caused by a throttling GPU is
-reported with both pieces of evidence.
+Design notes: docs/detectors.md, "detectors/gpu/throttle.py".
 """
 
 from __future__ import annotations
@@ -194,6 +181,7 @@ def _compute_join(frame: StepFrame, state: GpuThrottleState, row: int, step_rati
 
 
 def detect(frame: StepFrame, state: GpuThrottleState, cfg: GpuThrottleConfig) -> DetectorOutput:
+    """A GPU whose clocks or throttle reasons set it apart from its peers (or its own past)."""
     out = DetectorOutput()
     n = frame.n
     if not frame.gpu or n == 0:

@@ -1,13 +1,6 @@
 """Clocks for the hang monitor: per-rank offsets from step boundaries, and a common "now".
 
-Hosts' clocks disagree (by milliseconds with NTP, by minutes without), and a
-replayed trace carries only each host's own timestamps. Synchronous training
-gives a reference for free: every rank enters step N at nearly the same true
-moment, because step N-1 ended with a collective they all left together. So a
-rank's offset is the median, over recent steps, of how much later (on its own
-clock) it entered the step than the median rank did. Live, arrival times are
-stamped by the service and the offsets come out near zero; in replay they
-are the hosts' skews and are removed before any silence is measured.
+Design notes: docs/hangs.md, "detectors/hang/clock.py".
 """
 
 from __future__ import annotations

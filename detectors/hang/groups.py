@@ -1,13 +1,6 @@
 """Which group is which, when collectors name groups by axis.
 
-A collector reports the data-parallel group of every rank as ``dp``: one
-name, many groups. Collectives of two different ``dp`` groups must not be
-compared, or a group that finished seq N makes a stuck one look locally
-stuck. Once assembled steps have told the monitor each rank's coordinates,
-``dp`` of rank r becomes ``dp@pp=0,tp=1``: the ranks that share every other
-coordinate, which is exactly that rank's data-parallel group (likewise
-``tp``, ``pp``). Groups with declared members (``coll_ranks``) and names that
-are not axes keep their names.
+Design notes: docs/hangs.md, "detectors/hang/groups.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """Hangs and crashed ranks, from progress beats.
 
-When one rank stops making progress every healthy rank soon sits inside a
-collective waiting for it, and the default NCCL watchdog waits 30 minutes
-before anyone hears. Beats (one record a second per rank, also while blocked)
-say which step each rank is in, which phase, and the last collective it
-entered: group, sequence number, whether it finished. From those:
-
-* a job is *stalled* when no rank has finished a step for
-  ``max(stall_min_s, stall_step_factor * recent median step time)``;
-* a rank is *silent* (crashed, fail-stop) when its beats stopped for longer
-  than ``max(silence_min_s, silence_beat_factor * its own median beat gap)``;
-* a job whose ranks *closed* (the collector's final ``idle`` beat) while
-  still inside an unfinished collective died hung: judged at once;
-* the culprits are the sinks of the collective wait-for graph
-  (``detectors/hang/wait_graph.py``): ranks others wait for that are
-  not waiting for anyone themselves. Axis-named groups (``dp``) are told
-  apart by the ranks' coordinates (``detectors/hang/groups.py``).
-
-Clocks: hosts' clocks disagree, so no host's record time is compared with
-another's as is. Silence and stall are measured on the arrival clock (the
-``now`` the caller passes with each batch: the service's clock live; each
-beat's own ``t`` in replay), step durations and beat gaps are differences of
-one rank's own timestamps, and per-rank clock offsets estimated from step
-boundaries are taken out first (``detectors/hang/clock.py``).
-
-The monitor keeps a little state per job and rank; ``check(now)`` returns
-``Signal``s (kind ``hang`` for culprits that are alive, ``crash`` for silent
-or never-seen ones, severity ``fatal``) only when a stall's verdict is new or
-changed. Each signal's ``evidence`` carries ``job``, ``step`` and ``t`` so the
-engine can file it, and per culprit its last phase, group, sequence number
-and beat time.
+Design notes: docs/hangs.md, "detectors/hang/monitor.py".
 """
 
 from __future__ import annotations

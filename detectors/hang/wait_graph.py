@@ -1,33 +1,6 @@
 """Who is everyone waiting for? Localizing a hang from collective fingerprints.
 
-A collective of process group G with sequence number N completes only when
-every member of G has entered it. So when a job hangs, each blocked rank is
-blocked on one collective (its *head*: the oldest one it entered and has not
-finished), and that tells us whom it waits for:
-
-* members of G that never entered (G, N): still computing, in another phase,
-  crashed, or blocked in some other group's collective;
-* for a point-to-point op, its peer.
-
-Drawing an edge from each blocked rank to the ranks it waits for gives a
-wait-for graph. Ranks blocked because of someone else have out-edges; the
-faulty ranks are the *sinks*: ranks others wait for that are not themselves
-waiting on anyone (alive but outside any collective, silent, never seen).
-A rank stuck in another group's collective is an intermediate node and is
-not blamed; two groups stuck at different sequence numbers simply give two
-chains that end in their own sinks.
-
-One more sink: a rank whose head collective every member has entered and at
-least one member has already *finished*. The collective happened; this rank
-just never saw it finish, so its own device or stream is stuck (a GPU error).
-
-When no sink is reachable (a cycle: ranks that called collectives in
-different orders), or every member of a group is present and nobody
-finishes (a link or NCCL-level fault), the hang is reported but not blamed
-on any one rank.
-
-Pure logic over small per-rank views; no clocks, no I/O. ``detectors/hang/monitor.py``
-builds the views from beats, ``pipeline/importers/flight_recorder.py`` from dumps.
+Design notes: docs/hangs.md, "detectors/hang/wait_graph.py".
 """
 
 from __future__ import annotations

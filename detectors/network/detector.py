@@ -1,27 +1,6 @@
 """Network: the rank (or link) everybody's communication waits for.
 
-Long waits in collectives with normal compute mean communication is the
-bottleneck, but the ranks that wait longest are the victims. Within one
-collective the rank everyone waited for has the SHORTEST wait (it arrived
-last, or its link is the slow one), and waits cascade: a rank late to the
-next collective because it waited in the previous one is a victim too. So
-(see ``collective_waits``) a root is a rank others waited for that did not
-itself wait; a rank whose own compute or input was slow enough to explain
-its lateness is the straggler detector's case, not a network fault.
-
-Two more rules: SCOUT's cross-group intersection (the one rank common to
-all slow collectives without a clear last arriver, i.e. a slow link that
-slows whole rings) and, when no per-collective timings exist, the peer
-group's ``comm_s`` (the awaited rank is the one that waited far less than
-its peers). Attribution needs a strict minority of roots, the
-awaited-for evidence must come from a collective of three or more ranks or
-from two distinct partners (two ranks alone: unattributed), and the root
-must persist ``persist_steps`` steps (more where chance streaks are common,
-see ``FlagRate``).
-
-Per-collective analysis is Python over records, so large jobs run it only
-when communication looks wrong: a peer group whose ``comm_s`` is skewed, or
-the job's median ``comm_s`` above its own history.
+Design notes: docs/detectors.md, "detectors/network/detector.py".
 """
 
 from __future__ import annotations
@@ -198,6 +177,7 @@ class NetworkState(PartsState):
 
 
 def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> DetectorOutput:
+    """The rank or link its peers' collectives wait for, persistently."""
     out = DetectorOutput()
     n = frame.n
     if n == 0:

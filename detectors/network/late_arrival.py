@@ -1,18 +1,6 @@
 """Persistent last arrival: the rank that is late to its collectives step after step.
 
-Without a fault the members of a collective take turns being the last to
-arrive, each about one step in k (k members). A rank whose communication is
-delayed inside its own hook, or whose link is slow, keeps arriving last,
-even when within any single step the delay hides in timings that everybody
-shares (its own ``s`` includes the delay, so the shortest-wait rule sees
-nothing). Counting is what reveals it: over the last ``window`` observed
-steps, how often was each rank its group's last arriver? A count that fair
-turns would produce with probability below ``alpha`` (binomial tail, shared
-by all ranks of the step) flags the rank.
-
-A host whose clock runs ahead would always look last; lateness is therefore
-measured against the rank's own median lateness in clean steps (its clock
-offset), so only a change counts.
+Design notes: docs/detectors.md, "detectors/network/late_arrival.py".
 """
 
 from __future__ import annotations

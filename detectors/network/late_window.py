@@ -1,28 +1,6 @@
 """Late arrival that the rank's own work does not explain, averaged over a few steps.
 
-A rank whose link or communication thread is slow starts its next step
-late, so it enters the next collectives late and everyone waits for it
-there; but so does a rank that merely drew a long batch. Subtracting what
-its own work explains separates the two: per step, the rank's arrival
-lateness (entry ``t0`` minus the collective's median, less its clock
-offset) minus its own compute + input excess over the peer median. For
-healthy ranks this residual is the jitter of step starts (milliseconds); for
-the rank with the slow link it is the delay, every step. Each rank's usual
-residual (clock offset, a habitually late start) is learnt from clean steps
-and followed slowly, so only a change counts.
-
-The residual, over the group's learnt per-step spread (``SlowWindow``: the
-median of the last clean steps' robust sigma), is averaged over windows of
-several lengths and tested against the normal quantile that keeps chance
-findings at ``chance`` per step for the whole job. A window names a rank
-when, in addition, its mean residual exceeds the detector's floor (2 ms and
-3 % of the step), a strict majority of its group is not late the same way,
-and the group has three or more ranks. A named rank stays named while its
-longest window keeps the floor (one incident, not one per dip) and its
-shortest window keeps half of it (the delay has not ended).
-
-Counting last arrivals (``late_arrival``) needs no noise model but many
-steps; this needs a few steps when the delay is a few sigmas of the jitter.
+Design notes: docs/detectors.md, "detectors/network/late_window.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Who waited for whom inside one step's collectives (input of the network detector).
 
-A collective completes when its last member arrives, so every member's time
-inside the call (``s``) includes waiting for the last arriver, and the last
-arriver itself waits least. One collective *instance* is identified by its
-process group's name, its sequence number and the members' shared
-coordinates: a group named after coordinates (``dp``, ``tp``, ``pp``, or a
-combination such as ``dp_cp``) spans the ranks equal in all OTHER
-coordinates; any other name is taken to be unique per group, as
-torch.distributed names are.
-
-Per instance the awaited member is the last to enter (``t0``, when every
-member has one, cross-checked with ``s`` so that a host whose clock runs
-ahead does not look late) or else the one with the shortest ``s``. Each
-row collects ``awaited_s``: the most others waited for it in one instance,
-and ``waited_s``: the most it waited for someone else. A root is awaited and
-did not itself wait; a victim waited (cascades make victims arrive late to
-the next collective, and their own waits give them away).
-
-Every instance's own duration (the shortest ``s`` of its members: the last
-arriver waits for nobody, so what it spent inside is the transfer) is
-returned too, for the cross-group intersection rule: a slow link makes every
-collective through it long inside, whoever arrived last. This is plain
-Python over the step's collectives: the network detector only calls it
-when communication looks wrong, or for small jobs.
+Design notes: docs/detectors.md, "detectors/network/waits.py".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Symmetric consensus: score every rank against its peer group, all metrics at once.
 
-Peers run the same code on different data, so within a peer group the median
-is what a healthy rank looks like and the robust sigma is how much healthy
-ranks differ. ``peer_consensus`` gives, for a stack of metrics, each row's
-peer median, sigma, group count and robust z; ``strict_majority`` tells
-where enough peers are healthy for a deviation to be attributed (more than
-half of the group's reporting ranks are not flagged). With two peers nobody
-can be a majority against the other, which is the point.
+Design notes: docs/detectors.md, "detectors/stats/consensus.py".
 """
 
 from __future__ import annotations

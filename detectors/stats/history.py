@@ -1,14 +1,6 @@
 """Per-rank rolling baseline: each rank compared with its own recent past.
 
-Peers cannot see a fault that hits all of them at once, and a rank without
-peers (data parallel degree 1) has nobody to be compared with; its own last
-clean steps still say what is normal for it. ``RankHistory`` keeps, per rank
-and metric, a ring of the last ``window`` clean readings. ``assess`` reads
-without changing anything; ``learn`` writes only rows the engine found clean,
-so a fault never teaches the baseline that it is normal.
-
-Storage is one array ``(metrics, ranks, window)`` indexed by global rank, so
-a step learns with one fancy-index write; ranks that appear late grow it.
+Design notes: docs/detectors.md, "detectors/stats/history.py".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Detector state made of named parts that save and restore themselves.
 
-The straggler, network and metric-outlier states hold the same kinds of
-parts: a peer cache, per-rank clean histories, streak counters with their
-chance rates, the windowed test's rings. Each part has ``state_dict`` and
-``load_state_dict``; ``PartsState`` saves every part listed in ``PARTS``
-under its name and restores the parts a saved dict holds, so a state saved
-before a part existed still loads (the part starts fresh) and adding a part
-is one name, not two hand-written lines that can drift apart. Parts listed
-in ``REQUIRED`` must be present (a dict without them is not this state).
-
-``make_window`` builds the windowed test's ``SlowWindow`` from a config with
-the usual field names, the same way for every detector that has one.
+Design notes: docs/detectors.md, "detectors/stats/history_state.py".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Peer-group index: lay a step's rows out as a (groups x peers) matrix.
 
-Every consensus detector asks the same question per metric: how does this
-rank compare with the other ranks of its symmetric peer group? Answering it
-with numpy means arranging the rows of a step as a matrix with one row per
-peer group, padded with NaN where groups are smaller than the largest one.
-The layout depends only on ``StepFrame.group``, which stays the same step
-after step for one job, so it is built once and cached (``PeerCache``); a
-rank that appears late or vanishes changes ``group`` and simply rebuilds it.
+Design notes: docs/detectors.md, "detectors/stats/peers.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Robust location and scale per peer group, vectorized over groups and metrics.
 
-Medians and MADs ignore the few ranks that misbehave, which is exactly what a
-consensus detector needs: the faulty rank must not drag the reference it is
-judged against. Everything works on NaN-padded matrices ``(..., groups,
-peers)`` from ``PeerIndex.matrix``; non-finite readings count as missing.
-
-Scale falls back when the MAD is zero (more than half the peers report the
-same value, e.g. quantized timers): first to the IQR, then to the mean gap
-between sorted values (range / (count - 1)), so that one outlier among
-identical peers still gets a large z instead of a division by zero.
+Design notes: docs/detectors.md, "detectors/stats/robust.py".
 """
 
 from __future__ import annotations

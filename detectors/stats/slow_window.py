@@ -1,26 +1,6 @@
 """Windowed slowness: a persistent excess that no single step can show.
 
-Where per-step noise is large (ranks draw different sequence lengths, share
-CPUs, page in data), a rank 1.3x slower than its peers is inside their
-spread on most steps, and the per-step rule (robust z > 3.5) rarely fires.
-Averaging fixes that: each step gives every rank its log ratio to the peer
-median, standardized by the group's usual per-step spread and clipped to
-+-``clip`` (one wild step cannot make a finding alone); the mean of ``w``
-such steps has ``sqrt(w)`` times less noise. Windows of several lengths are
-tested at once (a blatant slowdown shows in 4 steps, a subtle one in 16);
-the threshold is the normal quantile that keeps chance findings at
-``chance`` per step for the whole job (Bonferroni over ranks and window
-lengths; consecutive windows overlap, so the real rate is lower).
-
-The spread is learnt: per peer group, the robust relative sigma of each
-clean step (MAD over median), and the median of the last ``history`` such
-steps is the reference, so a small group's noisy MAD of one step does not
-decide. Before ``min_steps`` clean steps a group is not judged. Once full,
-the rings follow slowly (one clean step in ``FOLLOW_EVERY``), so a slow rank
-that is not named yet cannot inflate its own group's noise within a few steps.
-
-This file is the statistics only; the straggler detector adds the floors
-(windowed ratio and excess), the strict majority and the evidence.
+Design notes: docs/detectors.md, "detectors/stats/slow_window.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """Stragglers: a rank whose own work (compute, input) is slower than its peers'.
 
-``compute_s`` excludes time blocked in collectives and ``data_s`` is time
-waiting for input, so a slow rank shows up in its own numbers while its
-victims only wait (that is ``comm_s``, the network detector's business).
-Within each peer group a rank is slow when its robust z is high AND it is
-clearly slower in absolute terms: at least ``min_ratio`` x the peer median,
-``min_excess_s`` more, and an excess worth ``min_excess_step_frac`` of the
-step (a 3 ms data hiccup in a 2 s step slows nobody). Only the slow
-direction counts. When every rank reports ``tokens``, ``compute_s`` is
-judged against what the peers predict for the rank's batch instead (the
-windowed test's token model and learnt spread, ``straggler_window``): a long
-batch is not slowness, and where device time dominates a 1.2x rank is
-several sigmas slow in a single step. The deviation must build a streak of
-``persist_steps`` (a step without it takes one off rather than starting
-over, so a straggler hidden by noise now and then still adds up), longer in
-a job where isolated deviations are common (``FlagRate``: a streak that
-chance alone would produce is not evidence); streaks and chance rates are
-kept per metric and, for the calibrated compute z, also for far-out steps
-(``straggler_streaks``), so a clear slowdown is confirmed in two steps while
-middling evidence waits for what the job's noise demands. Weaker evidence
-accumulates in the windowed test.
-
-Attribution needs a strict healthy majority of the group. Two peers that
-disagree are reported unattributed (both ranks, no blame). A rank without
-peers is judged against its own clean history (slow above max(ratio x
-median, median + k x sigma)), and only while most such ranks are not slow
-at once (then it is the workload, not a rank).
-
-Not blamed, by construction: a pipeline stage slower than other stages on
-all its dp peers (stages are different groups), per-step noise (absorbed in
-the peer sigma and by persistence), a rank a few percent slower (ratio floor).
+Design notes: docs/detectors.md, "detectors/straggler/detector.py".
 """
 
 from __future__ import annotations
@@ -134,6 +105,7 @@ class StragglerState(PartsState):
 
 
 def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
+    """A rank whose own compute or input time is persistently slower than its peers'."""
     out = DetectorOutput()
     n = frame.n
     if n == 0:

@@ -1,20 +1,6 @@
 """How long a straggler's slow streak must be: per metric, per level, from the chance rate.
 
-A streak is confirmed when chance alone would rarely make it (``FlagRate``:
-starts that ended unconfirmed, per rank and step). Two refinements make that
-rule fast where the evidence is clear without making it loose where it is not:
-
-- Each metric keeps its own streaks and rate. ``data_s`` of a job with input
-  hiccups is noisy while its ``compute_s`` is quiet; one pooled rate would
-  make every compute straggler wait for the data noise.
-- Each metric is counted at two levels: any slow step (z above ``z_min``) and
-  a clear one (z above ``strong_z``). Far-out steps are much rarer by chance,
-  so their own rate usually asks for the minimum streak: a rank 15 sigmas slow
-  on two consecutive steps is reported then, while a rank 4 sigmas slow in a
-  job where 4 sigmas happen now and then still needs the longer streak.
-
-A rank is confirmed when any metric at any level has its streak; the streak
-reported (for the onset) is the longest confirmed one.
+Design notes: docs/detectors.md, "detectors/straggler/streaks.py".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """How a step's compute time depends on its tokens, per peer group, learnt from clean steps.
 
-Ranks that draw different sequence lengths compute for different times;
-dividing by tokens removes most of that, but not the part of a step that
-does not grow with tokens (optimizer, launch overheads): a rank that drew
-short batches for a while would then look slow per token. So the model is
-affine, in units of the step's peer medians: ``compute / median compute =
-alpha + beta x tokens / median tokens``, one (alpha, beta) per peer group,
-fitted by least squares over the clean rows of recent steps (sufficient
-statistics with a forgetting factor, so the fit follows a changing
-workload). The expected compute of a rank this step is then the peer median
-times ``alpha + beta x`` its relative tokens.
-
-Until a group has ``min_rows`` clean rows with some spread in tokens, the
-model says nothing (NaN) and callers compare raw compute.
+Design notes: docs/detectors.md, "detectors/straggler/token_model.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """The straggler detector's windowed test: slow on average over a few steps.
 
-Per step, every rank's ``compute_s`` is divided by its peer median, or,
-when every rank of the step reports ``tokens``, by what the peer median
-predicts for its batch (``TokenModel``: compute is affine in tokens, so a
-long batch is not slowness and a short one does not hide a slow rank); the
-log of that ratio, over the group's learnt per-step
-spread, goes into ``SlowWindow``, which averages it over windows of several
-lengths. A window names a rank when
-
-- its z clears the threshold that keeps chance findings at
-  ``chance_findings_per_step`` for the whole job,
-- the rank was slower by the same floors as a single step: a geometric-mean
-  ratio of at least ``min_ratio`` and a mean excess above ``min_excess_s``
-  and ``min_excess_step_frac`` of the step (a rank persistently a few
-  percent slower is never blamed, however sure the statistics are),
-- where ``comm_s`` is reported, the rank did not wait in its collectives
-  more than its peers over the window's last step (a rank everyone waits
-  for waits least: it is the root, its peers are the victims),
-- a strict majority of its group is not named, and the group has 3+ ranks,
-- its GPU is not reporting a thermal or power throttle: that slowdown is the
-  GPU detector's finding, which carries the compute ratio as evidence.
-
-Stage imbalance never reaches this test (stages are different groups), and
-per-step noise is what the standardization and the threshold account for.
+Design notes: docs/detectors.md, "detectors/straggler/window.py".
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class CheckVoteState:
 
 
 def detect(frame: StepFrame, state: CheckVoteState, cfg: CheckVoteConfig) -> DetectorOutput:
+    """Replay signatures that disagree with the strict majority of their check group."""
     out = DetectorOutput()
     ballots: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
     for rec in frame.checks[: cfg.max_checks_per_step]:

@@ -1,18 +1,6 @@
 """Parameter digest vote: a replica whose weights differ from its replicas'.
 
-Data-parallel replicas of one shard (same non-dp coordinates) apply the same
-reduced gradient to the same weights, so their ``param_digest`` must be
-identical after every optimizer step. A bit flip in one replica's
-parameters makes its digest differ from the next step on, and it stays
-different until the weights are restored: that replica is attributed at once
-when a strict majority of its replicas agree (kind ``sdc``, severity
-``persistent``), every step until it agrees again.
-
-A group whose replicas have never agreed is not voted on: with sharded
-optimizers (FSDP, ZeRO-3) every rank holds different parameters by design.
-
-The common case (every group unanimous) costs one object comparison over
-the peer matrix; Python only touches the rare groups that disagree.
+Design notes: docs/detectors.md, "detectors/votes/digest.py".
 """
 
 from __future__ import annotations
@@ -51,6 +39,7 @@ class DigestVoteState(ReplicaState):
 
 
 def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> DetectorOutput:
+    """A replica whose parameter digest disagrees with the strict majority of its replicas."""
     out = DetectorOutput()
     if frame.n == 0:
         return out

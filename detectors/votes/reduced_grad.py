@@ -1,18 +1,6 @@
 """Reduced gradient vote: every replica must see the same all-reduced gradient.
 
-After the data-parallel all-reduce each replica of one shard holds the same
-gradient, so ``grad_norm_reduced`` is equal on all of them (the collective
-hands every rank the same bits). A replica whose reduced norm differs
-received or computed a corrupted reduction: it is attributed at once when a
-strict majority of its replicas agree (kind ``sdc``, severity ``oneshot``;
-repeated steps on the same rank are the policy's "recurring SDC").
-
-Equality allows a tiny relative tolerance so that foreign tools that reduce
-in different orders on different ranks do not look corrupt. Groups that
-never agreed (reduce-scatter shards) are not voted on. A reduced norm that
-is not finite on a rank whose local norm is finite votes as "corrupt" (an
-exponent flip in one rank's reduction); when every rank's is non-finite
-that is the non-finite detector's business.
+Design notes: docs/detectors.md, "detectors/votes/reduced_grad.py".
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ class ReducedGradState(ReplicaState):
 
 
 def detect(frame: StepFrame, state: ReducedGradState, cfg: ReducedGradConfig) -> DetectorOutput:
+    """A replica whose reduced gradient norm differs from the majority's."""
     out = DetectorOutput()
     x = frame.m.get("grad_norm_reduced")
     if frame.n == 0 or x is None:
