@@ -15,10 +15,11 @@ from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import peer_consensus, step_reference_s, strict_majority
+from rankscope.detectors.stats.consensus_config import ConsensusConfig
 from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
-from rankscope.detectors.stats.persistence import FlagRate, StreakCounter
+from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 
 __all__ = ["NetworkConfig", "NetworkState", "detect"]
 
@@ -28,57 +29,34 @@ CLOCK_EVERY = 16  # once a rank's clock offset baseline is full, one clean step 
 
 
 @dataclass(kw_only=True, slots=True)
-class NetworkConfig:
-    """Settings of the communication localization detector (times in seconds)."""
+class NetworkConfig(ConsensusConfig):
+    """Settings of the communication localization detector (times in seconds); the shared
+    peer-consensus settings (z_min on comm_s skew, wait floors, streaks, history of the
+    job's comm_s, windows of unexplained lateness) come from ``ConsensusConfig``."""
 
-    z_min: float = 3.5  # robust z for comm_s skew in a peer group
-    min_excess_s: float = 0.002  # waits shorter than this are not waits
-    min_excess_step_frac: float = 0.03  # nor waits under this share of the median step
     victim_frac: float = 0.5  # a root waited itself less than this share of what it was waited for
     compute_explains_frac: float = 0.5  # own compute/data excess this large explains lateness
     slow_ratio: float = 1.5  # a collective without a late arriver is slow above this x typical
     # a root's wait must exceed this x the job's usual arrival gap, and the largest
     # usual gap of the recent clean steps
     noise_ratio: float = 3.0
-    persist_steps: int = 2  # consecutive steps before a finding (in a quiet job)
-    max_persist_steps: int = 6  # a noisy job asks for longer streaks, up to this
-    chance_findings_per_step: float = 1e-4  # tolerated chance streaks per step, whole job
     always_below_rows: int = 64  # jobs this small analyse collectives every step
-    history_steps: int = 32  # clean steps kept for baselines
-    history_min_steps: int = 5  # clean steps before a baseline judges
-    history_ratio: float = 1.25  # job comm_s above this x its median opens the analysis
     late_window: int = 20  # steps over which arrival order is counted
     late_work_ratio: float = 1.1  # own compute + input this x peers' (window median): a straggler
     late_chance_per_step: float = 1e-3  # tolerated chance "always last" counts per step, job
-    # lateness not explained by own work, averaged over windows of these lengths (late_window)
-    window_steps: tuple[int, ...] = (4, 8, 16, 32)
-    window_clip: float = 3.0  # one step counts at most this many sigmas
 
     def __post_init__(self) -> None:
-        if self.z_min <= 0:
-            raise ValueError("z_min must be > 0")
-        if self.min_excess_s < 0 or self.min_excess_step_frac < 0:
-            raise ValueError("min_excess_s and min_excess_step_frac must be >= 0")
+        ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
         if not 0 < self.victim_frac <= 1 or not 0 < self.compute_explains_frac <= 1:
             raise ValueError("victim_frac and compute_explains_frac must be in (0, 1]")
         if self.slow_ratio <= 1 or self.history_ratio < 1 or self.noise_ratio < 1:
             raise ValueError("need slow_ratio > 1, history_ratio >= 1, noise_ratio >= 1")
-        if not 1 <= self.persist_steps <= self.max_persist_steps:
-            raise ValueError("need 1 <= persist_steps <= max_persist_steps")
-        if not 0 < self.chance_findings_per_step < 1:
-            raise ValueError("chance_findings_per_step must be in (0, 1)")
         if self.always_below_rows < 0:
             raise ValueError("always_below_rows must be >= 0")
         if self.late_window < 4 or self.late_work_ratio < 1:
             raise ValueError("need late_window >= 4 and late_work_ratio >= 1")
         if not 0 < self.late_chance_per_step < 1:
             raise ValueError("late_chance_per_step must be in (0, 1)")
-        if not 1 <= self.history_min_steps <= self.history_steps:
-            raise ValueError("need 1 <= history_min_steps <= history_steps")
-        if not self.window_steps or min(self.window_steps) < 2 or max(self.window_steps) > 256:
-            raise ValueError("window_steps must be lengths between 2 and 256")
-        if self.window_clip <= 0:
-            raise ValueError("window_clip must be > 0")
 
 
 class NetworkState(PartsState):
@@ -203,7 +181,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
             if streaks.count.any():  # nothing deviates this step: streaks end
                 prev = streaks.peek(frame.rank)
                 streaks.update(frame.rank, np.zeros(n, dtype=bool))
-                _required(rate, prev, np.zeros(n, dtype=bool), n, cfg)
+                required_streak(rate, prev, np.zeros(n, dtype=bool), n, cfg, leaky=False)
             else:
                 rate.observe(0, n)
         return out
@@ -248,8 +226,8 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     prev, pprev = state.streak.peek(frame.rank), state.pair_streak.peek(frame.rank)
     streak = state.streak.update(frame.rank, solid)
     pstreak = state.pair_streak.update(frame.rank, pair)
-    need = _required(state.rate, prev, solid, n, cfg)
-    pneed = _required(state.pair_rate, pprev, pair, n, cfg)
+    need = required_streak(state.rate, prev, solid, n, cfg, leaky=False)
+    pneed = required_streak(state.pair_rate, pprev, pair, n, cfg, leaky=False)
     for row in np.flatnonzero(solid & (streak >= need)):
         out.signals.append(_signal(frame, idx, c, w, state, int(row), str(rule[row]), False))
     for row in np.flatnonzero(pair & (pstreak >= pneed)):
@@ -267,17 +245,6 @@ def _unaccounted(frame: StepFrame, x: np.ndarray, nan: np.ndarray) -> np.ndarray
     """
     with np.errstate(invalid="ignore"):
         return frame.m.get("step_s", nan) - np.nan_to_num(x).sum(axis=0)
-
-
-def _required(rate: FlagRate, prev, hit, rows: int, cfg: NetworkConfig) -> int:
-    """Streak needed now (from the chance rate so far); then count streaks chance ended."""
-    need = rate.required(
-        cfg.persist_steps, cfg.max_persist_steps, int(rows), cfg.chance_findings_per_step
-    )
-    if rate.steps < cfg.history_min_steps:  # the first steps of a job (warm-up) teach only
-        need = cfg.max_persist_steps + 1_000_000
-    rate.observe(int(np.count_nonzero(~hit & (prev > 0) & (prev < need))), int(rows))
-    return need
 
 
 def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkConfig):

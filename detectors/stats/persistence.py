@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-__all__ = ["StreakCounter", "FlagRate", "RANK_LIMIT", "usable_ranks"]
+__all__ = ["StreakCounter", "FlagRate", "RANK_LIMIT", "usable_ranks", "required_streak"]
 
 # Per-rank state is indexed by global rank. A garbage rank id (negative, or
 # 2**40 from a broken foreign writer) must not allocate gigabytes or alias
@@ -120,3 +120,26 @@ class FlagRate:
     def load_state_dict(self, d: dict) -> None:
         self.rate = float(d.get("rate", 0.0))
         self.steps = int(d.get("steps", 0))
+
+
+def required_streak(rate: FlagRate, prev, hit, rows: int, cfg, *, prior: bool = False,
+                    leaky: bool = True) -> int:  # fmt: skip
+    """The one streak rule of straggler and network: the streak needed now (from the
+    job's chance rate so far, ``cfg`` a ConsensusConfig); then count the streaks chance ended.
+
+    ``leaky`` streaks (a miss takes one off) end when they fall from 1 to 0; plain
+    ones end at any miss short of ``need``. With ``prior``, a chance rate not seen yet
+    is not taken for zero: it is at least one end in all the rank-steps seen so far
+    (early in a small job, before its noise is known, a streak must be longer).
+    """
+    args = (cfg.persist_steps, cfg.max_persist_steps, int(rows), cfg.chance_findings_per_step)
+    need = rate.required(*args)
+    if prior and rate.steps > 0:
+        unseen = FlagRate()
+        unseen.rate = 1.0 / (max(int(rows), 1) * rate.steps)
+        need = max(need, unseen.required(*args))
+    if rate.steps < cfg.history_min_steps:  # the first steps of a job (warm-up) teach only
+        need = cfg.max_persist_steps + 1_000_000
+    ended = (prev == 1) if leaky else (prev > 0) & (prev < need)
+    rate.observe(int(np.count_nonzero(~hit & ended)), int(rows))
+    return need

@@ -19,11 +19,12 @@ from rankscope.detectors.stats.consensus import (
     step_reference_s,
     strict_majority,
 )
+from rankscope.detectors.stats.consensus_config import ConsensusConfig
 from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
-from rankscope.detectors.stats.persistence import FlagRate, StreakCounter
-from rankscope.detectors.straggler.streaks import SlowStreaks, required_streak
+from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
+from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel
 from rankscope.detectors.straggler.window import window_hits, window_signal
 
@@ -33,54 +34,29 @@ NAME = "straggler"
 
 
 @dataclass(kw_only=True, slots=True)
-class StragglerConfig:
-    """Settings of the straggler detector (times in seconds)."""
+class StragglerConfig(ConsensusConfig):
+    """Settings of the straggler detector (times in seconds); the shared peer-consensus
+    settings (z_min, floors, streaks, history, windows) come from ``ConsensusConfig``."""
 
     metrics: tuple[str, ...] = ("compute_s", "data_s")  # per-rank work times judged
-    z_min: float = 3.5  # robust z above the peer median to count as slow
     min_ratio: float = 1.1  # and at least this multiple of the peer median
-    min_excess_s: float = 0.002  # and at least this many seconds above it
-    min_excess_step_frac: float = 0.03  # and at least this share of the median step time
-    persist_steps: int = 2  # consecutive slow steps before a finding (in a quiet job)
     strong_z: float = 7.0  # a step this far above its peers is clear: own chance rate, streak
-    max_persist_steps: int = 6  # a noisy job asks for longer streaks, up to this
-    chance_findings_per_step: float = 1e-4  # tolerated chance streaks per step, whole job
-    history_steps: int = 32  # clean steps kept per rank
-    history_min_steps: int = 5  # clean steps before the history judges
-    history_ratio: float = 1.25  # slow for itself above this multiple of its median
-    history_k_sigma: float = 4.0  # or this many robust sigmas above its median
-    # windowed test (see straggler_window): per-step log ratios to the peer median,
-    # standardized by the group's learnt spread, averaged over windows of these lengths
-    window_metric: str = "compute_s"  # "" turns the windowed test off
-    window_steps: tuple[int, ...] = (4, 8, 16, 32)
-    window_clip: float = 3.0  # one step counts at most this many sigmas
+    history_k_sigma: float = 4.0  # or this many robust sigmas above its own median
+    window_metric: str = "compute_s"  # "" turns the windowed test off (straggler/window.py)
     per_token: bool = True  # expect compute from tokens when every rank reports them
 
     def __post_init__(self) -> None:
+        ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
         if not self.metrics:
             raise ValueError("metrics must name at least one column")
-        if self.z_min <= 0:
-            raise ValueError("z_min must be > 0")
         if self.strong_z < self.z_min:
             raise ValueError("strong_z must be >= z_min")
         if self.min_ratio < 1.0 or self.history_ratio < 1.0:
             raise ValueError("min_ratio and history_ratio must be >= 1")
-        if self.min_excess_s < 0 or self.min_excess_step_frac < 0:
-            raise ValueError("min_excess_s and min_excess_step_frac must be >= 0")
-        if not 1 <= self.persist_steps <= self.max_persist_steps:
-            raise ValueError("need 1 <= persist_steps <= max_persist_steps")
-        if not 0 < self.chance_findings_per_step < 1:
-            raise ValueError("chance_findings_per_step must be in (0, 1)")
-        if not 1 <= self.history_min_steps <= self.history_steps:
-            raise ValueError("need 1 <= history_min_steps <= history_steps")
         if self.history_k_sigma < 0:
             raise ValueError("history_k_sigma must be >= 0")
         if self.window_metric and self.window_metric not in self.metrics:
             raise ValueError("window_metric must be one of metrics (or empty)")
-        if not self.window_steps or min(self.window_steps) < 2 or max(self.window_steps) > 256:
-            raise ValueError("window_steps must be lengths between 2 and 256")
-        if self.window_clip <= 0:
-            raise ValueError("window_clip must be > 0")
 
 
 class StragglerState(PartsState):

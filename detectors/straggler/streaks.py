@@ -6,9 +6,9 @@ Design notes: docs/detectors.md, "detectors/straggler/streaks.py".
 from __future__ import annotations
 
 import numpy as np
-from rankscope.detectors.stats.persistence import FlagRate, StreakCounter
+from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 
-__all__ = ["SlowStreaks", "required_streak"]
+__all__ = ["SlowStreaks"]
 
 LEVELS = ("slow", "strong")
 
@@ -75,23 +75,3 @@ class SlowStreaks:
             sub = d.get(f"{m}/{lvl}", {})
             counter.load_state_dict(sub.get("streak", {}))
             self.rate[(m, lvl)].load_state_dict(sub.get("rate", {}))
-
-
-def required_streak(rate: FlagRate, prev, hit, rows: int, cfg, prior: bool = False) -> int:
-    """Streak needed now (from the chance rate so far); then count streaks chance ended.
-
-    Streaks leak (a miss takes one off), so one ends when it falls from 1 to 0.
-    With ``prior``, a chance rate not seen yet is not taken for zero: the rate
-    is at least one chance end in all the rank-steps seen so far (so early in a
-    small job, before its noise is known, a streak must be longer).
-    """
-    args = (cfg.persist_steps, cfg.max_persist_steps, int(rows), cfg.chance_findings_per_step)
-    need = rate.required(*args)
-    if prior and rate.steps > 0:  # the rate is at least one end in the rank-steps seen
-        unseen = FlagRate()
-        unseen.rate = 1.0 / (max(int(rows), 1) * rate.steps)
-        need = max(need, unseen.required(*args))
-    if rate.steps < cfg.history_min_steps:  # the first steps of a job (warm-up) teach only
-        need = cfg.max_persist_steps + 1_000_000
-    rate.observe(int(np.count_nonzero(~hit & (prev == 1))), int(rows))
-    return need
