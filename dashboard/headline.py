@@ -21,12 +21,12 @@ __all__ = ["ACTION_ORDER", "Banner", "banner", "evidence_line", "what_to_do", "w
 ACTION_ORDER = {"evict": 0, "recover": 1, "observe": 2}
 LEVEL = {"evict": "error", "recover": "warning", "observe": "info"}
 
-_TODO = {
+_WHAT_TO_DO = {
     "evict": "drain host {host} and restart the job from its last checkpoint without it",
     "recover": "roll back to the last good checkpoint (or redo the step); the host may be fine",
     "observe": "nothing yet: watch it; it becomes an eviction if it persists",
 }
-_TODO_KIND = {  # what to do differs by kind where the kind says more than the action
+_WHAT_TO_DO_KIND = {  # what to do differs by kind where the kind says more than the action
     ("hang", "evict"): "kill the job, drain host {host} and restart from the last checkpoint",
     ("crash", "evict"): "check rank {rank}'s log on {host} for why it died, drain the host and "
                         "restart from the last checkpoint",
@@ -66,7 +66,7 @@ def what_to_do(f: dict) -> str:
     kind = str(f.get("kind") or "")
     if f.get("unattributed"):
         return "nothing to evict: no healthy majority to blame; check the job as a whole"
-    tpl = _TODO_KIND.get((kind, action)) or _TODO.get(action) or _TODO["observe"]
+    tpl = _WHAT_TO_DO_KIND.get((kind, action)) or _WHAT_TO_DO.get(action) or _WHAT_TO_DO["observe"]
     ev = f.get("evidence") or {}
     return tpl.format(host=_hosts(f), rank=_ranks(f), first=f.get("first_step"),
                       gpu=_gpu_name(ev))  # fmt: skip
