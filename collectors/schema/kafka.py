@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-__all__ = ["KafkaUrl", "TOPIC_KINDS", "PASSTHROUGH", "topic_for_record"]
+__all__ = ["KafkaUrl", "TOPIC_KINDS", "PASSTHROUGH", "topic_for_record", "idempotence_kwargs"]
 
 TOPIC_KINDS = ("telemetry", "gpu", "findings", "control", "deadletter")
 
@@ -148,3 +148,18 @@ class KafkaUrl:
 def topic_for_record(record: dict) -> str:
     """Topic kind of a record: ``gpu`` samples apart, everything else is telemetry."""
     return "gpu" if record.get("type") == "gpu" else "telemetry"
+
+
+def idempotence_kwargs(acks, client_defaults: dict) -> dict:
+    """``enable_idempotence=False`` for a producer asked for ``acks`` other than ``all``.
+
+    kafka-python 3 turns the idempotent producer on by default (KIP-679); it needs
+    ``acks=all``, so a producer asked for ``acks=1`` (ours, for throughput) turns it
+    off again and says so at WARNING at every start. Delivery here is at least once
+    by design (findings upserted by id, control messages dropped as replays by their
+    receivers, records of built steps dropped as late), so the producer's own dedup
+    adds nothing: saying so removes the warning. ``client_defaults`` is the client's
+    ``KafkaProducer.DEFAULT_CONFIG`` (older clients have no such setting)."""
+    if acks in ("all", -1) or "enable_idempotence" not in client_defaults:
+        return {}
+    return {"enable_idempotence": False}

@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rankscope.collectors.schema.kafka import KafkaUrl, topic_for_record
+from rankscope.collectors.schema.kafka import KafkaUrl, idempotence_kwargs, topic_for_record
 
 __all__ = ["KafkaSink", "KafkaSinkConfig"]
 
@@ -222,9 +222,11 @@ class KafkaSink:
         from kafka import KafkaProducer  # heavy import, only when Kafka is really used
 
         cfg = self.cfg
+        acks = "all" if cfg.acks == "all" else int(cfg.acks)
         return KafkaProducer(
             **self.url.client_kwargs(),
-            acks="all" if cfg.acks == "all" else int(cfg.acks),
+            **idempotence_kwargs(acks, KafkaProducer.DEFAULT_CONFIG),
+            acks=acks,
             linger_ms=cfg.linger_ms,
             compression_type=None if cfg.compression == "none" else cfg.compression,
             max_block_ms=200,

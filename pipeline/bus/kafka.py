@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 
 import orjson
-from rankscope.collectors.schema.kafka import TOPIC_KINDS, KafkaUrl
+from rankscope.collectors.schema.kafka import TOPIC_KINDS, KafkaUrl, idempotence_kwargs
 from rankscope.pipeline.traces.validate import parse_json
 
 __all__ = ["KafkaBus", "encode_records", "decode_value"]
@@ -135,6 +135,7 @@ class KafkaBus:
             "reconnect_backoff_max_ms": 1000,
         }
         kw.update(overrides)
+        kw.update(idempotence_kwargs(kw["acks"], KafkaProducer.DEFAULT_CONFIG))
         return KafkaProducer(**self.url.client_kwargs(), **kw)
 
     def consumer(self, kinds, *, group: str | None, **overrides):
