@@ -7,12 +7,14 @@ to ``<prefix>.control`` (the secret from ``--control-secret-file`` or
 ``$RANKSCOPE_CONTROL_SECRET[_FILE]``). Start more processes with the same
 ``--group`` to split the jobs. SIGTERM/SIGINT: finish the batch, write,
 commit, exit 0. See ``pipeline/serve/loop.py`` for the delivery guarantees.
+
+It logs a start line, the partitions it owns, each new finding and action
+sent, and a progress line every 30 s (``--log-format json``: one object a
+line); ``--metrics-port`` serves Prometheus metrics; ``--alert-webhook``
+posts each evict/recover finding (docs/kafka.md: Logs, Metrics, Alerts).
 """
 
 from __future__ import annotations
-
-import logging
-import sys
 
 __all__ = ["register", "run"]
 
@@ -51,20 +53,64 @@ def register(subparsers) -> None:
         metavar="S",
         help="flush and exit after S seconds without a message (finite replays)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    _add_ops(p)
     p.set_defaults(func=run)
+
+
+def _add_ops(p) -> None:
+    """Logs, metrics and alerts (what an operator watches)."""
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text for people, json: one object a line for log shippers")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="debug lines of rankscope; -vv also the Kafka client's INFO")
+    p.add_argument("--progress-interval", type=float, metavar="S",
+                   help="seconds between progress lines (default 30; 0: none)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="address the metrics endpoint binds (default 127.0.0.1)")
+    p.add_argument("--alert-webhook", action="append", metavar="URL", default=[],
+                   help="POST each evict/recover finding here (repeatable; @FILE: one URL "
+                        "a line, for URLs that hold a token)")
+    p.add_argument("--alert-format", choices=("json", "slack"), default="json",
+                   help="alert body: the finding's fields (json) or {\"text\": ...} (slack)")
+    p.add_argument("--alert-secret-file", metavar="F",
+                   help="sign alert bodies with this secret (X-Rankscope-Signature)")
+    p.add_argument("--alert-timeout", type=float, metavar="S",
+                   help="seconds one alert try waits for an answer (default 5)")  # fmt: skip
+
+
+def _alerts(args):
+    from rankscope.pipeline.serve.alerts import AlertConfig
+
+    urls = []
+    for given in args.alert_webhook:
+        if given.startswith("@"):
+            with open(given[1:]) as fh:
+                urls += [line.strip() for line in fh if line.strip()]
+        else:
+            urls.append(given)
+    if not urls:
+        if args.alert_secret_file or args.alert_timeout is not None:
+            raise ValueError("--alert-secret-file and --alert-timeout need --alert-webhook")
+        return None
+    secret = None
+    if args.alert_secret_file:
+        with open(args.alert_secret_file, "rb") as fh:
+            secret = fh.read().strip()
+    extra = {} if args.alert_timeout is None else {"timeout_s": args.alert_timeout}
+    return AlertConfig(urls=tuple(urls), body=args.alert_format, secret=secret, **extra)
 
 
 def run(args) -> int:
     from rankscope.collectors.schema.control import load_secret
     from rankscope.pipeline.cli.errors import CliError
+    from rankscope.pipeline.serve.logs import configure_logging
     from rankscope.pipeline.serve.loop import ServeConfig, Service
+    from rankscope.pipeline.serve.observe import log_summary
     from rankscope.pipeline.store import StoreError
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logging(args.log_format, args.verbose)
     secret = None
     if not args.no_control:
         try:
@@ -80,16 +126,23 @@ def run(args) -> int:
             "group": args.group,
             "partitions": args.partitions,
             "checkpoint_interval_s": args.checkpoint_interval,
+            "metrics_host": args.metrics_host,
         }  # unset options keep ServeConfig's defaults (one place for them)
+        if args.progress_interval is not None:  # 0 turns the lines off
+            given["progress_interval_s"] = args.progress_interval or None
         cfg = ServeConfig(
             bus=args.bus,
             db_path=args.db,
             control_secret=secret,
             share_db=args.share_db,
             idle_exit_s=args.exit_when_idle,
+            metrics_port=args.metrics_port,
+            alerts=_alerts(args),
             **{k: v for k, v in given.items() if v is not None},
         )
         service = Service(cfg)
+    except OSError as exc:
+        raise CliError(f"serve: {exc}") from None
     except (ValueError, StoreError) as exc:
         raise CliError(str(exc)) from None
     service.install_signal_handlers()
@@ -98,6 +151,8 @@ def run(args) -> int:
     except Exception as exc:
         if type(exc).__module__.startswith("kafka"):
             raise CliError(f"Kafka at {service.bus.url.redacted()}: {exc}") from None
+        if isinstance(exc, ValueError) and str(exc).startswith("metrics endpoint"):
+            raise CliError(str(exc)) from None
         raise
-    print(f"rankscope serve: {stats.summary()}", file=sys.stderr)
+    log_summary(stats)
     return 0

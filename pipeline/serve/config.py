@@ -1,4 +1,7 @@
-"""Settings and counters of ``rankscope serve`` (one config dataclass, defaults here only)."""
+"""Settings and counters of ``rankscope serve`` (one config dataclass, defaults here only).
+
+The counters are plain integers and dicts the loop bumps once per batch (never
+per record); the progress line and the metrics endpoint read them."""
 
 from __future__ import annotations
 
@@ -6,8 +9,15 @@ import statistics
 from dataclasses import dataclass, field
 
 from rankscope.pipeline.bus.kafka import KafkaBus
+from rankscope.pipeline.serve.alerts import AlertConfig
+from rankscope.pipeline.serve.histogram import (
+    LATENCY_BUCKETS_S,
+    STEP_BUCKETS,
+    WRITE_BUCKETS_S,
+    Buckets,
+)
 
-__all__ = ["ServeConfig", "ServeStats"]
+__all__ = ["ServeConfig", "ServeStats", "DEAD_REASONS", "dead_reason"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,6 +56,14 @@ class ServeConfig:
     """Updated findings are stored and published at most this often (each store is a
     DuckDB commit, a disk sync); an evict/recover to announce, a dead letter or a
     checkpoint writes at once, and a checkpoint always follows the findings before it."""
+    progress_interval_s: float | None = 30.0
+    """A progress line (records/s, lag, open incidents, dead letters) this often; None: never."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: any free one, logged); None: no endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (``0.0.0.0`` to be scraped from other hosts)."""
+    alerts: AlertConfig | None = None
+    """Webhooks told of every evict/recover finding (``rankscope.pipeline.serve.alerts``)."""
 
     def __post_init__(self) -> None:
         KafkaBus(self.bus)  # raises ValueError with the reason
@@ -65,6 +83,28 @@ class ServeConfig:
             raise ValueError(f"serve: store_interval_s must be >= 0, got {self.store_interval_s}")
         if self.idle_exit_s is not None and self.idle_exit_s <= 0:
             raise ValueError("serve: idle_exit_s must be > 0")
+        if self.progress_interval_s is not None and self.progress_interval_s <= 0:
+            raise ValueError("serve: progress_interval_s must be > 0 (None: no progress lines)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"serve: metrics_port={self.metrics_port} not in 0..65535")
+        if not self.metrics_host:
+            raise ValueError("serve: metrics_host must not be empty")
+
+
+DEAD_REASONS = ("message", "record", "wrong_topic", "engine", "store")
+"""Dead-letter classes (the metric's ``reason`` label; the full reason is in the store)."""
+
+
+def dead_reason(reason: str, index: int) -> str:
+    """The class of a dead letter: a whole message that is not records, one record
+    that breaks the schema, a record on the wrong topic, the engine or the store failing."""
+    if reason.startswith("engine error"):
+        return "engine"
+    if reason.startswith("store:"):
+        return "store"
+    if "on the gpu topic" in reason:
+        return "wrong_topic"
+    return "message" if index < 0 else "record"
 
 
 @dataclass(slots=True)
@@ -91,7 +131,53 @@ class ServeStats:
     store_lag_s: float | None = None
     """(``measure_latency``) From the end of processing the last message to the end of
     the first write handed over after it: when everything read was stored."""
+    records_in: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    """Records fed to the engine per (topic, partition, path: ``columns`` or ``records``)."""
+    dead_by_reason: dict[str, int] = field(default_factory=dict)
+    """Dead letters per class (``dead_reason``)."""
+    findings_by: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Findings per (kind, action), counted once per finding and action it reached."""
+    control_by_action: dict[str, int] = field(default_factory=dict)
+    """Control messages published per action."""
+    finding_latency_s: Buckets = field(default_factory=lambda: Buckets(LATENCY_BUCKETS_S))
+    """From the arrival of a finding's detected step's last record to the finding."""
+    record_to_finding_s: Buckets = field(default_factory=lambda: Buckets(LATENCY_BUCKETS_S))
+    """From the record time of a finding's detected step (the trainer's clock) to the finding."""
+    delay_steps: dict[str, Buckets] = field(default_factory=dict)
+    """Per kind: steps from an incident's onset (first step) to its detection."""
+    write_s: dict[str, Buckets] = field(default_factory=dict)
+    """Per write kind (``turn``, ``checkpoint``): how long the writer took to store it."""
     _first: float | None = None
+
+    def count_records(self, topic: str, partition: int, n: int, path: str) -> None:
+        """``n`` records of one batch fed to the engine (the loop's one counter call)."""
+        self.records += n
+        counts = self.partition_records
+        counts[partition] = counts.get(partition, 0) + n
+        key = (topic, partition, path)
+        self.records_in[key] = self.records_in.get(key, 0) + n
+
+    def dead_letter(self, reason: str, index: int = -1) -> None:
+        self.deadletters += 1
+        cls = dead_reason(reason, index)
+        self.dead_by_reason[cls] = self.dead_by_reason.get(cls, 0) + 1
+
+    def sent_control(self, action: str) -> None:
+        self.control_sent += 1
+        self.control_by_action[action] = self.control_by_action.get(action, 0) + 1
+
+    def observe_write(self, seconds: float, *, checkpoint: bool) -> None:
+        what = "checkpoint" if checkpoint else "turn"
+        hist = self.write_s.get(what)
+        if hist is None:
+            hist = self.write_s[what] = Buckets(WRITE_BUCKETS_S)
+        hist.observe(seconds)
+
+    def observe_delay(self, kind: str, steps: int) -> None:
+        hist = self.delay_steps.get(kind)
+        if hist is None:
+            hist = self.delay_steps[kind] = Buckets(STEP_BUCKETS)
+        hist.observe(steps)
 
     def summary(self) -> str:
         rate = self.records / self.seconds if self.seconds > 0 else 0.0

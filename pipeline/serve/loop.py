@@ -58,6 +58,7 @@ from rankscope.pipeline.serve.guard import (
     tick_guarded,
 )
 from rankscope.pipeline.serve.hooks import log_failed_commit, loop_gc, rebalance_listener
+from rankscope.pipeline.serve.observe import ServeObserver
 from rankscope.pipeline.serve.partition import PartitionState
 from rankscope.pipeline.serve.writer import ServeWriter, WriteJob
 
@@ -96,6 +97,7 @@ class Service:
         self._align = GpuAligner(self.topics["telemetry"], self.topics["gpu"])
         self._clocks: dict[int, StreamClock] = {}
         self.stats = ServeStats()
+        self._obs = ServeObserver(cfg, self.stats)  # logs, metrics, alerts
         self._stop = threading.Event()
         self._parts: dict[int, PartitionState] = {}
         self._db = ServeDb(cfg.db_path, share=cfg.share_db)
@@ -108,7 +110,6 @@ class Service:
         self._pending_control: list[dict] = []  # signed, not yet published
         self._last_store = time.monotonic()
         self._pending_dead: list[tuple] = []
-        self._latency_seen: set[str] = set()
         self._positions_checked = 0.0
 
     def stop(self, *_args) -> None:
@@ -123,6 +124,7 @@ class Service:
     def _setup(self) -> None:
         from rankscope.pipeline.serve.control import ControlAnnouncer
 
+        self._obs.start(self)  # the endpoint first: a port in use fails before joining
         self.bus.ensure_topics(self.cfg.partitions)
         if self.cfg.control_secret is not None:
             with self._db.session() as db:
@@ -177,7 +179,7 @@ class Service:
                     self._consumer.seek(tp, saved[0])
                     part.next_offset[tp.topic] = saved[0]
         self._align.assigned(self._consumer, numbers)
-        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+        self._obs.assigned(assigned)
 
     def _revoke(self, revoked) -> None:
         """Nothing is written here (the Kafka client's IO thread must not block) and
@@ -185,8 +187,7 @@ class Service:
         goes to another process is resumed there from its last checkpoint, whose
         state and offset belong together, and the same findings are rebuilt from
         the records after it (idempotent writes)."""
-        if revoked:
-            log.info("revoked %s", sorted((tp.topic, tp.partition) for tp in revoked))
+        self._obs.revoked(revoked)
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> ServeStats:
@@ -230,6 +231,7 @@ class Service:
                     part.built_steps(time.time(), self.stats.step_latency_s)
             self._write()
             self._commit_written()
+            self._obs.turn(self)
             if not self._parts:
                 last_msg = time.monotonic()  # idle counts only while partitions are ours
             idle_exit = self.cfg.idle_exit_s
@@ -319,9 +321,7 @@ class Service:
             found, n = feed_apart(part, msgs, now, gpu_topic=tp.topic != self.topics["telemetry"],
                                   dead=lambda m, why: self._dead(tp, m.offset, -1, why, m.value))
             good = good[:n]  # what was fed: the counts below
-        self.stats.records += len(good)
-        counts = self.stats.partition_records
-        counts[tp.partition] = counts.get(tp.partition, 0) + len(good)
+        self.stats.count_records(tp.topic, tp.partition, len(good), "records")
         self._found(part, found, now)
         if self.cfg.measure_latency:
             part.built_steps(time.time(), self.stats.step_latency_s)
@@ -334,9 +334,7 @@ class Service:
             found, batch.n = feed_apart(part, [msg], now, gpu_topic=False,
                                         dead=lambda m, why: self._dead(tp, m.offset, -1, why,
                                                                        m.value))  # fmt: skip
-        self.stats.records += batch.n
-        counts = self.stats.partition_records
-        counts[tp.partition] = counts.get(tp.partition, 0) + batch.n
+        self.stats.count_records(tp.topic, tp.partition, batch.n, "columns")
         self._found(part, found, now)
         if self.cfg.measure_latency:
             part.built_steps(time.time(), self.stats.step_latency_s)
@@ -344,13 +342,7 @@ class Service:
     def _found(self, part: PartitionState, findings, now: float) -> None:
         if not findings:
             return
-        for f in findings:
-            if f.finding_id in self._latency_seen:
-                continue
-            self._latency_seen.add(f.finding_id)
-            arrived = part.arrival.get((f.job, f.detected_step))
-            if arrived is not None:  # from the step's last record to its finding
-                self.stats.detect_latency_s.append(max(0.0, time.time() - arrived))
+        self._obs.found(part, findings)  # logged, counted, alerted when new or escalated
         self._pending_findings.extend(findings)
         if self._announcer is not None:  # an action to announce makes the next write due
             self._pending_control.extend(self._announcer.messages(findings))
@@ -359,7 +351,7 @@ class Service:
     def _dead(self, tp, offset: int, idx: int, reason: str, value: bytes | None) -> None:
         log.warning("dead letter %s[%d]@%d#%d: %s", tp.topic, tp.partition, offset, idx, reason)
         self._pending_dead.append((tp.topic, tp.partition, offset, idx, reason, value))
-        self.stats.deadletters += 1
+        self.stats.dead_letter(reason, idx)
 
     def _write(self, *, force_checkpoint: bool = False) -> None:
         """Hand findings, dead letters, control messages and (when due) a checkpoint to
@@ -443,6 +435,10 @@ class Service:
         return rows, commit
 
     def _close(self) -> None:
+        try:
+            self._obs.close()  # queued alerts get their drain time; before the store closes
+        except Exception as exc:  # on the way out: log, never mask
+            log.warning("closing alerts and metrics: %s", exc)
         if self._writer is not None:
             try:
                 self._writer.close()  # a no-op after a clean run; else writes what it holds

@@ -35,6 +35,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from rankscope.pipeline.serve.observe import action_sent
+
 __all__ = ["WriteJob", "ServeWriter"]
 
 log = logging.getLogger("rankscope.serve")
@@ -139,7 +141,10 @@ class ServeWriter:
             if self._error is None:
                 try:
                     try:
+                        t0 = time.perf_counter()
                         self._write(job)
+                        self._stats.observe_write(time.perf_counter() - t0,
+                                                  checkpoint=bool(job.checkpoints))
                     except Exception as exc:
                         log.warning("serve write failed (%s); writing it piece by piece", exc)
                         self._write_apart(job)
@@ -180,7 +185,7 @@ class ServeWriter:
             try:
                 self._write(piece)
             except Exception as exc:  # this piece is the poison: drop it, say so
-                self._stats.deadletters += 1
+                self._stats.dead_letter(f"store: {exc}")
                 what = piece.findings or piece.dead or piece.scores or piece.jobs
                 log.error("dropped an unwritable item (%s): %r", exc, what)
                 if self._producer is not None:
@@ -201,7 +206,7 @@ class ServeWriter:
         for msg in job.control:
             send(topic("control"), key=msg["job"].encode(), value=encode_records([msg]))
             self._delivered.append(msg)
-            self._stats.control_sent += 1
+            action_sent(self._stats, msg, topic("control"))
         for src, part, off, idx, reason, value in job.dead:
             headers = [
                 ("reason", reason.encode()[:1000]),
