@@ -23,7 +23,7 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
-def event(log: logging.Logger, name: str, msg: str, *args, level: int = logging.INFO,
+def event(log: logging.Logger, name: str, msg: str, /, *args, level: int = logging.INFO,
           **fields) -> None:  # fmt: skip
     """Log ``msg % args`` as event ``name`` with ``fields`` (kept for the JSON format)."""
     if log.isEnabledFor(level):
