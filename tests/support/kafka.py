@@ -140,3 +140,26 @@ def group_lag(url: str, group: str, kind: str = "telemetry") -> int | None:
     if not committed:
         return None
     return sum(end - max(committed.get(tp, 0), 0) for tp, end in ends.items())
+
+
+class StderrLines:
+    """The stderr lines of a running process, read on a thread as they come."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def having(self, text: str) -> list[str]:
+        return [ln for ln in list(self.lines) if text in ln]
+
+    def done(self, timeout_s: float = 30.0) -> list[str]:
+        """Every line, once the process closed its stderr (call after it exits)."""
+        self._thread.join(timeout_s)
+        return list(self.lines)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import io
 import logging
 import math
-import urllib.request
 
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from rankscope.pipeline.cli.main import main
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.serve.config import ServeConfig, ServeStats, dead_reason
@@ -20,6 +18,7 @@ from rankscope.pipeline.serve.logs import configure_logging, event
 from rankscope.pipeline.serve.metrics import MetricsEndpoint
 from rankscope.pipeline.serve.observe import ServeObserver, action_sent
 from rankscope.pipeline.serve.partition import PartitionState
+from support.metrics import by_label, scrape
 
 BUS = "kafka://127.0.0.1:9"
 
@@ -99,16 +98,6 @@ def test_observer_logs_counts_and_times_each_finding_once_per_action(caplog):
     assert stats.control_by_action == {"evict": 1} and stats.control_sent == 1
 
 
-def _scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_the_metrics_endpoint_serves_the_counters_over_http():
     stats = ServeStats()
     obs = ServeObserver(ServeConfig(bus=BUS, db_path="x.duckdb"), stats)
@@ -124,7 +113,7 @@ def test_the_metrics_endpoint_serves_the_counters_over_http():
     obs.lag = {("p.telemetry", 0): 5, ("p.gpu", 0): None}
     ep = MetricsEndpoint("127.0.0.1", 0, obs, group="g")
     try:
-        m = _scrape(ep.port)
+        m = scrape(f"http://127.0.0.1:{ep.port}/metrics")
     finally:
         ep.close()
     assert m[("rankscope_records_total", (("partition", "0"), ("path", "columns"),
@@ -134,8 +123,7 @@ def test_the_metrics_endpoint_serves_the_counters_over_http():
              ] == 5  # fmt: skip
     assert not any(n == "rankscope_consumer_lag_messages" and ("topic", "p.gpu") in lab
                    for n, lab in m)  # unknown lag is left out, not 0  # fmt: skip
-    dead = {dict(lab)["reason"]: v for (n, lab), v in m.items()
-            if n == "rankscope_dead_letters_total"}  # fmt: skip
+    dead = by_label(m, "rankscope_dead_letters_total", "reason")
     assert dead == {"message": 1, "record": 1, "store": 1}
     assert m[("rankscope_findings_total", (("action", "evict"), ("kind", "straggler")))] == 1
     assert m[("rankscope_detection_delay_steps_count", (("kind", "straggler"),))] == 1
