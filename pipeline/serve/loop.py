@@ -349,9 +349,8 @@ class Service:
         self.stats.findings += len(findings)
 
     def _dead(self, tp, offset: int, idx: int, reason: str, value: bytes | None) -> None:
-        log.warning("dead letter %s[%d]@%d#%d: %s", tp.topic, tp.partition, offset, idx, reason)
+        self._obs.dead(tp, offset, idx, reason)  # logged and counted by class
         self._pending_dead.append((tp.topic, tp.partition, offset, idx, reason, value))
-        self.stats.dead_letter(reason, idx)
 
     def _write(self, *, force_checkpoint: bool = False) -> None:
         """Hand findings, dead letters, control messages and (when due) a checkpoint to

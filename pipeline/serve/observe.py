@@ -42,6 +42,7 @@ class ServeObserver:
         self.lag: dict[tuple[str, int], int | None] = {}
         self.open_incidents = 0
         self._actions: dict[str, str] = {}  # finding id -> action last seen
+        self.failures = 0  # of this observer's own work (logged, the first few)
         now = time.monotonic()
         self._next_snapshot = now
         self._next_progress = now + (cfg.progress_interval_s or 0.0)
@@ -94,9 +95,24 @@ class ServeObserver:
                   "; ".join(f"{t} {p}" for t, p in _tps(tps).items()),
                   partitions=sorted({tp.partition for tp in tps}))  # fmt: skip
 
-    # -- findings -----------------------------------------------------------
+    # -- findings and dead letters ----------------------------------------------
+    def dead(self, tp, offset: int, index: int, reason: str) -> None:
+        self.stats.dead_letter(reason, index)
+        event(log, "dead_letter", "dead letter %s[%d]@%d#%d: %s", tp.topic, tp.partition,
+              offset, index, reason, level=logging.WARNING, topic=tp.topic,
+              partition=tp.partition, offset=offset, index=index, reason=reason)  # fmt: skip
+
     def found(self, part, findings) -> None:
-        """New findings and changed actions: counted, logged, alerted (the rest pass)."""
+        """New findings and changed actions: counted, logged, alerted (the rest pass).
+        A failure here is logged, never raised into the loop (the findings are stored)."""
+        try:
+            self._found(part, findings)
+        except Exception:
+            self.failures += 1
+            if self.failures <= 3:
+                log.exception("logging, counting or alerting findings failed (serve goes on)")
+
+    def _found(self, part, findings) -> None:
         actions = self._actions
         for f in findings:
             prev = actions.get(f.finding_id)
@@ -139,11 +155,16 @@ class ServeObserver:
             return
         self._next_snapshot = mono + SNAPSHOT_S
         self.lag = dict(service._align.lag)
-        total = 0
-        for part in list(service._parts.values()):
-            eng = part.engine
-            total += sum(eng.stats(job).get("open_incidents", 0) for job in eng.jobs)
-        self.open_incidents = total
+        try:
+            total = 0
+            for part in list(service._parts.values()):
+                eng = part.engine
+                total += sum(eng.stats(job).get("open_incidents", 0) for job in eng.jobs)
+            self.open_incidents = total
+        except Exception:  # a number on a progress line must not stop serve
+            self.failures += 1
+            if self.failures <= 3:
+                log.exception("counting open incidents failed (serve goes on)")
         if self.cfg.progress_interval_s is not None and mono >= self._next_progress:
             self._next_progress = mono + self.cfg.progress_interval_s
             self.progress(mono)

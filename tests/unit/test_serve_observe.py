@@ -93,6 +93,14 @@ def test_observer_logs_counts_and_times_each_finding_once_per_action(caplog):
     assert len(stats.detect_latency_s) == 1  # only the straggler's step arrival was known
     buckets, _, n = stats.delay_steps["straggler"].snapshot()
     assert n == 1 and buckets[3] == (3.0, 1)  # onset 20, detected 23: 3 steps
+    from kafka.structs import TopicPartition
+
+    with caplog.at_level(logging.WARNING, "rankscope.serve"):
+        obs.dead(TopicPartition("p.telemetry", 2), 41, 3, "'rank' must be an int")
+    (dead,) = [r for r in caplog.records if r.event == "dead_letter"]
+    assert dead.fields == {"topic": "p.telemetry", "partition": 2, "offset": 41, "index": 3,
+                           "reason": "'rank' must be an int"}  # fmt: skip
+    assert stats.dead_by_reason == {"record": 1}
     action_sent(stats, {"action": "evict", "ranks": [5], "hosts": [], "job": "j", "step": 20,
                         "finding_id": "f"}, "p.control")  # fmt: skip
     assert stats.control_by_action == {"evict": 1} and stats.control_sent == 1
@@ -175,3 +183,15 @@ def test_serve_cli_refuses_bad_ops_flags(extra, said, tmp_path, capsys, root_log
                  *extra])  # fmt: skip
     assert code == 1
     assert said in capsys.readouterr().err
+
+
+def test_a_metrics_port_in_use_is_a_clear_error(tmp_path, capsys, root_logging):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = main(["serve", "--bus", BUS, "--db", str(tmp_path / "s.duckdb"), "--no-control",
+                     "--metrics-port", str(busy.getsockname()[1])])  # fmt: skip
+    assert code == 1
+    assert "metrics endpoint on 127.0.0.1:" in capsys.readouterr().err
