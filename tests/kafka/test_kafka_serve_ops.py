@@ -157,6 +157,8 @@ def _json_metrics_alerts(url, procs, tmp_path, flaky, slow):
     for e in (e for e in log if e["event"] == "finding"):
         (f,) = [f for f in stored if f["finding_id"] == e["finding_id"]]
         assert {k: e[k] for k in keys} == {k: f[k] for k in keys}
+    (dead,) = [e for e in log if e["event"] == "dead_letter"]
+    assert (dead["index"], dead["level"]) == (-1, "WARNING") and "JSON" in dead["reason"]
     last = [e for e in log if e["event"] == "progress"][-1]
     assert (last["records"], last["lag_messages"], last["dead_letters"]) == (RECORDS, 0, 1)
     assert set(last["alerts"]) == {"sent", "failed", "dropped", "queued", "retries"}
