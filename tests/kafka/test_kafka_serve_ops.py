@@ -5,6 +5,7 @@ sample traces; and no client warning at start."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 from collections import Counter
@@ -174,3 +175,24 @@ def _json_metrics_alerts(url, procs, tmp_path, flaky, slow):
     again = _events(_stop(serve, lines))
     assert Counter(e["event"] for e in again)["finding"] == 2
     assert (len(flaky.requests), len(slow.requests)) == before
+
+
+@pytest.mark.parametrize("acks", ["1", "all"])
+def test_producers_start_without_a_client_warning(kafka_url, caplog, acks):
+    """The sink (training side) and the bus producer (serve, publish) against the real
+    broker: kafka-python says nothing at WARNING, whatever ``acks`` asks."""
+    from rankscope.collectors.sinks.kafka import KafkaSink
+
+    KafkaBus(kafka_url).ensure_topics(partitions=1, kinds=("telemetry",))
+    with caplog.at_level(logging.INFO, "kafka"):
+        sink = KafkaSink.from_url(f"{kafka_url}&acks={acks}&linger_ms=5")
+        sink.send([{"v": 1, "type": "beat", "job": "w", "rank": 0, "t": 1.0, "step": 0,
+                    "phase": "fwd"}])  # fmt: skip
+        sink.flush()
+        sink.close()
+        producer = KafkaBus(kafka_url).producer(**({"acks": "all"} if acks == "all" else {}))
+        producer.send(KafkaBus(kafka_url).topic("telemetry"), value=b"[]").get(timeout=30)
+        producer.close()
+    kafka_lines = [r for r in caplog.records if r.name.startswith("kafka")]
+    assert kafka_lines, "the client logged nothing at INFO: the capture is not working"
+    assert [r.getMessage() for r in kafka_lines if r.levelno >= logging.WARNING] == []
