@@ -37,17 +37,6 @@ def _per_call(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-class _Align:
-    lag = {(f"p.{t}", p): 0 for t in ("telemetry", "gpu") for p in range(4)}
-
-
-class _Service:
-    """What ``turn`` reads of a ``Service``: its partitions and the aligner's lag."""
-
-    def __init__(self, parts) -> None:
-        self._align, self._parts = _Align(), parts
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200_000)
@@ -75,13 +64,14 @@ def main() -> None:
 
     obs = ServeObserver(ServeConfig(bus="kafka://127.0.0.1:9", db_path="x"), stats)
     part = PartitionState(Engine)
-    service = _Service({p: part for p in range(4)})
-    obs.turn(service)
-    idle_turn = _per_call(lambda: obs.turn(service), n)
+    parts = {p: part for p in range(4)}
+    lag = {(f"p.{t}", p): 0 for t in ("telemetry", "gpu") for p in range(4)}
+    obs.turn(lag, parts)
+    idle_turn = _per_call(lambda: obs.turn(lag, parts), n)
 
     def refresh():
         obs._next_snapshot = 0.0
-        obs.turn(service)
+        obs.turn(lag, parts)
 
     snap_turn = _per_call(refresh, max(1, n // 100))
 

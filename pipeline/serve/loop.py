@@ -124,7 +124,8 @@ class Service:
     def _setup(self) -> None:
         from rankscope.pipeline.serve.control import ControlAnnouncer
 
-        self._obs.start(self)  # the endpoint first: a port in use fails before joining
+        # the endpoint first: a port in use fails before joining the group
+        self._obs.start(self.bus.url.redacted(), list(self.topics.values()), self._db)
         self.bus.ensure_topics(self.cfg.partitions)
         if self.cfg.control_secret is not None:
             with self._db.session() as db:
@@ -231,7 +232,7 @@ class Service:
                     part.built_steps(time.time(), self.stats.step_latency_s)
             self._write()
             self._commit_written()
-            self._obs.turn(self)
+            self._obs.turn(self._align.lag, self._parts)
             if not self._parts:
                 last_msg = time.monotonic()  # idle counts only while partitions are ours
             idle_exit = self.cfg.idle_exit_s

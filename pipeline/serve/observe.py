@@ -49,14 +49,15 @@ class ServeObserver:
         self._last = (now, 0)  # (monotonic, records) at the last progress line
 
     # -- start and stop -------------------------------------------------------
-    def start(self, service) -> None:
-        """Start the endpoint and the webhooks, then say what this process serves."""
+    def start(self, bus: str, topics: list[str], db) -> None:
+        """Start the endpoint and the webhooks (``db``: the ``ServeDb`` holding the alert
+        ledger), then say what this process serves (``bus``: the redacted URL)."""
         cfg = self.cfg
         if cfg.alerts is not None:
             from rankscope.pipeline.serve.alert_ledger import AlertLedger
             from rankscope.pipeline.serve.alerts import AlertSender
 
-            ledger = AlertLedger(service._db)
+            ledger = AlertLedger(db)
             self.alerts = AlertSender(cfg.alerts, delivered=ledger.delivered(), mark=ledger.mark)
         metrics = None
         if cfg.metrics_port is not None:
@@ -65,13 +66,12 @@ class ServeObserver:
             self.metrics = MetricsEndpoint(cfg.metrics_host, cfg.metrics_port, self,
                                            group=cfg.group)  # fmt: skip
             metrics = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
-        bus = service.bus.url.redacted()
         hooks = len(cfg.alerts.urls) if cfg.alerts else 0
         event(log, "start",
               "serving %s as group %s into %s; metrics %s; %d alert webhook(s); control %s",
               bus, cfg.group, cfg.db_path, metrics or "off", hooks,
               "on" if cfg.control_secret is not None else "off",
-              bus=bus, group=cfg.group, store=cfg.db_path, topics=list(service.topics.values()),
+              bus=bus, group=cfg.group, store=cfg.db_path, topics=topics,
               metrics=metrics, alert_webhooks=hooks, control=cfg.control_secret is not None,
               progress_interval_s=cfg.progress_interval_s)  # fmt: skip
 
@@ -148,16 +148,17 @@ class ServeObserver:
               **_fields(f))  # fmt: skip
 
     # -- each turn ------------------------------------------------------------
-    def turn(self, service) -> None:
-        """Refresh the snapshot once a second; a progress line when one is due."""
+    def turn(self, lag: dict, parts: dict) -> None:
+        """Refresh the snapshot once a second; a progress line when one is due.
+        ``lag``: the aligner's (topic, partition) -> messages; ``parts``: number -> state."""
         mono = time.monotonic()
         if mono < self._next_snapshot:
             return
         self._next_snapshot = mono + SNAPSHOT_S
-        self.lag = dict(service._align.lag)
+        self.lag = dict(lag)
         try:
             total = 0
-            for part in list(service._parts.values()):
+            for part in list(parts.values()):
                 eng = part.engine
                 total += sum(eng.stats(job).get("open_incidents", 0) for job in eng.jobs)
             self.open_incidents = total
