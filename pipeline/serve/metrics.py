@@ -69,8 +69,8 @@ class ServeCollector:
         yield lag
         yield _counter("dead_letters", "Messages and records sent to the dead-letter topic, "
                        "by reason class.", ["reason"], dict(st.dead_by_reason))  # fmt: skip
-        yield _counter("findings", "Findings, once per finding and action it reached "
-                       "(an escalation counts again under its new action).",
+        yield _counter("findings", "New findings, once per finding and action it reached "
+                       "(an escalation counts again; findings stored before start do not).",
                        ["kind", "action"], dict(st.findings_by))  # fmt: skip
         yield CounterMetricFamily(P + "finding_updates", "Finding updates stored (an incident "
                                   "that grows is updated every step).", value=st.findings)

@@ -53,6 +53,8 @@ class ServeObserver:
         """Start the endpoint and the webhooks (``db``: the ``ServeDb`` holding the alert
         ledger), then say what this process serves (``bus``: the redacted URL)."""
         cfg = self.cfg
+        with db.session() as s:  # a restart does not log, count or page these again
+            self._actions.update(s.tables.stored_actions())
         if cfg.alerts is not None:
             from rankscope.pipeline.serve.alert_ledger import AlertLedger
             from rankscope.pipeline.serve.alerts import AlertSender
@@ -103,7 +105,8 @@ class ServeObserver:
               partition=tp.partition, offset=offset, index=index, reason=reason)  # fmt: skip
 
     def found(self, part, findings) -> None:
-        """New findings and changed actions: counted, logged, alerted (the rest pass).
+        """New findings and changed actions: counted, logged, alerted (the rest pass; a
+        finding already in the store at start is not new, so a restart pages nobody).
         A failure here is logged, never raised into the loop (the findings are stored)."""
         try:
             self._found(part, findings)

@@ -54,6 +54,10 @@ class ServeTables:
             [(group, topic, part, off, state, now) for topic, part, off, state in rows],
         )
 
+    def stored_actions(self) -> dict[str, str]:
+        """finding_id -> action of every stored finding (what a restarted serve knows)."""
+        return dict(self.con.execute("SELECT finding_id, action FROM findings").fetchall())
+
     def announced(self) -> set[tuple[str, str]]:
         """(finding_id, action) pairs already published on the control topic."""
         rows = self.con.execute(

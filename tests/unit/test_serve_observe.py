@@ -195,3 +195,24 @@ def test_a_metrics_port_in_use_is_a_clear_error(tmp_path, capsys, root_logging):
                      "--metrics-port", str(busy.getsockname()[1])])  # fmt: skip
     assert code == 1
     assert "metrics endpoint on 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_findings_stored_before_start_are_not_new(tmp_path, caplog):
+    from rankscope.pipeline.serve.db import ServeDb
+
+    db = ServeDb(str(tmp_path / "s.duckdb"))
+    try:
+        with db.session() as s:
+            s.store.write_turn(findings=[_finding("recover")])
+        stats = ServeStats()
+        obs = ServeObserver(ServeConfig(bus=BUS, db_path="s.duckdb"), stats)
+        with caplog.at_level(logging.INFO, "rankscope.serve"):
+            obs.start("kafka://127.0.0.1:9?topic_prefix=p", ["p.telemetry", "p.gpu"], db)
+            part = PartitionState(lambda: None)
+            obs.found(part, [_finding("recover")])  # rebuilt after a restart: nothing
+            obs.found(part, [_finding("evict")])  # its escalation is news
+        obs.close()
+    finally:
+        db.close()
+    assert [r.event for r in caplog.records] == ["start", "escalated"]
+    assert stats.findings_by == {("straggler", "evict"): 1}
