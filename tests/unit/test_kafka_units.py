@@ -366,3 +366,14 @@ def test_cli_misuse_says_what_is_wrong(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--db", "x.duckdb"])
     assert exc.value.code == 2
+
+
+def test_producers_opt_out_of_idempotence_only_when_acks_is_not_all():
+    from kafka import KafkaProducer
+    from rankscope.collectors.schema.kafka import idempotence_kwargs
+
+    defaults = KafkaProducer.DEFAULT_CONFIG
+    assert idempotence_kwargs(1, defaults) == idempotence_kwargs(0, defaults) == (
+        {"enable_idempotence": False} if "enable_idempotence" in defaults else {})
+    assert idempotence_kwargs("all", defaults) == idempotence_kwargs(-1, defaults) == {}
+    assert idempotence_kwargs(1, {"acks": 1}) == {}  # a client without the setting
