@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv kafka-up kafka-down browser bench clean
+.PHONY: demo test lint venv kafka-up kafka-down live live-down browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ kafka-up:
 kafka-down:
 	scripts/kafka down
 
+# A local live stack (broker, serve, dashboard, a simulated faulty job); see docs/kafka.md.
+live: $(STAMP)
+	scripts/live up
+
+live-down:
+	scripts/live down
+
 test: $(STAMP) browser
 	$(BIN)/ruff check .
 	scripts/kafka up
@@ -40,4 +47,4 @@ bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .kafka .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .kafka .live .pytest_cache .ruff_cache *.egg-info
