@@ -5,11 +5,10 @@ no other process can open the file at all, not even read-only. The dashboard
 is a second process, so it never keeps the file open:
 
 * Every page render opens a READ-ONLY connection, runs its queries and closes
-  it. When the file is locked (serve is writing), it retries with doubling
-  backoff; when the lock stays held, it copies the file (and its WAL) to a
-  snapshot and reads that, and the page says how old the snapshot is. A torn
-  copy (serve checkpointed during the copy) fails DuckDB's block checksums on
-  open and is simply copied again.
+  it, through the read path every reading command shares
+  (``rankscope.pipeline.store_read``): retries with doubling backoff while the
+  file is locked, then a snapshot copy (file and WAL) that the page dates. The
+  copy is kept under ``snapshot_dir`` and reused while the store is unchanged.
 * Triage is the dashboard's only write: a short read-write connection, one
   transaction, closed at once, retried with backoff while serve holds the
   lock. `serve --share-db` holds the file only while it writes, so triage
@@ -23,20 +22,18 @@ Missing files, empty stores and older schema versions become a
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import duckdb
 from rankscope.dashboard.config import DashboardConfig
-from rankscope.pipeline.store import SCHEMA_VERSION
+from rankscope.pipeline.store import SCHEMA_VERSION, StoreError
+from rankscope.pipeline.store_read import StoreBusy, is_lock_message, read_connection
 
 __all__ = ["StoreUnavailable", "Reader", "open_reader", "write_with_retry", "is_lock_error"]
 
@@ -67,12 +64,8 @@ _BUSY = (duckdb.IOException, duckdb.ConnectionException)
 
 
 def is_lock_error(exc: BaseException) -> bool:
-    """True when the file is busy: another process holds its lock, or (inside this
-    process) another session has it open in the other mode (read-only vs read-write)."""
-    msg = str(exc).lower()
-    if isinstance(exc, duckdb.IOException):
-        return "lock" in msg
-    return isinstance(exc, duckdb.ConnectionException) and "different configuration" in msg
+    """True when the file is busy (``store_read.is_lock_message``) and ``exc`` is DuckDB's."""
+    return isinstance(exc, _BUSY) and is_lock_message(exc)
 
 
 def _backoff(cfg: DashboardConfig) -> Iterator[float]:
@@ -109,82 +102,17 @@ def _check_schema(con: duckdb.DuckDBPyConnection, path: str) -> None:
         )
 
 
-def _connect_ro(path: str) -> duckdb.DuckDBPyConnection:
-    try:
-        return duckdb.connect(path, read_only=True)
-    except _BUSY as exc:
-        if is_lock_error(exc):
-            raise
-        raise StoreUnavailable("unreadable", f"cannot open {path}: {exc}") from exc
-    except duckdb.Error as exc:
-        raise StoreUnavailable(
-            "unreadable", f"{path} is not a readable DuckDB database: {exc}"
-        ) from exc
-
-
-def _snapshot_path(cfg: DashboardConfig, src: Path) -> Path:
+def _snapshot_dir(cfg: DashboardConfig) -> Path:
     base = Path(cfg.snapshot_dir) if cfg.snapshot_dir else Path(tempfile.gettempdir())
-    base = base / "rankscope-dashboard"
-    base.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:16]
-    return base / f"{tag}.duckdb"
-
-
-def _signature(src: Path) -> str:
-    parts = []
-    for p in (src, Path(str(src) + ".wal")):
-        try:
-            st = p.stat()
-            parts.append(f"{st.st_mtime_ns}:{st.st_size}")
-        except FileNotFoundError:
-            parts.append("-")
-    return "|".join(parts)
-
-
-def _snapshot_is_current(cfg: DashboardConfig, src: Path) -> bool:
-    dst = _snapshot_path(cfg, src)
-    sig_file = dst.with_suffix(".sig")
-    try:
-        return dst.exists() and sig_file.read_text() == _signature(src)
-    except OSError:
-        return False
-
-
-def _take_snapshot(cfg: DashboardConfig, src: Path, strict: bool = True) -> tuple[Path, float]:
-    """Copy the store and its WAL aside (atomically replaced; reused while unchanged).
-
-    ``strict``: refuse a copy during which the writer changed either file (the
-    caller tries again); the last try takes what DuckDB can open.
-    """
-    dst = _snapshot_path(cfg, src)
-    sig_file = dst.with_suffix(".sig")
-    sig = _signature(src)
-    if _snapshot_is_current(cfg, src):
-        return dst, dst.stat().st_mtime
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent))
-    try:
-        shutil.copyfile(src, tmp / "snap.duckdb")
-        wal = Path(str(src) + ".wal")
-        if wal.exists():
-            shutil.copyfile(wal, tmp / "snap.duckdb.wal")
-        if strict and _signature(src) != sig:
-            raise OSError("the store changed while it was being copied")
-        # Open once to replay the WAL into the copy, so readers need only one file.
-        con = duckdb.connect(str(tmp / "snap.duckdb"))
-        try:
-            con.execute("CHECKPOINT")
-        finally:
-            con.close()
-        os.replace(tmp / "snap.duckdb", dst)
-        sig_file.write_text(sig)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst, time.time()
+    return base / "rankscope-dashboard"
 
 
 @contextmanager
 def open_reader(cfg: DashboardConfig) -> Iterator[Reader]:
-    """A read-only view of the store for one page render; always closed afterwards."""
+    """A read-only view of the store for one page render; always closed afterwards.
+
+    Opened through the shared read path (``rankscope.pipeline.store_read``), with
+    the snapshot kept in the config's folder and reused while the store is unchanged."""
     src = Path(cfg.db_path)
     if not src.exists():
         raise StoreUnavailable(
@@ -192,37 +120,17 @@ def open_reader(cfg: DashboardConfig) -> Iterator[Reader]:
             f"No findings store at {src}. Create one with `rankscope replay TRACE --db {src}` "
             f"or `rankscope serve --db {src}`, or run `make demo`.",
         )
-    reader = None
-    waits = _backoff(cfg)
-    for attempt in range(cfg.open_attempts):
+    with ExitStack() as stack:
         try:
-            reader = Reader(_connect_ro(str(src)), str(src))
-            break
-        except _BUSY:
-            if attempt == 0 and _snapshot_is_current(cfg, src):
-                break  # the writer changed nothing since the last copy: read it now
-            time.sleep(next(waits))
-    if reader is None:  # a writer keeps the lock: read a snapshot copy instead
-        last_exc: Exception | None = None
-        for attempt in range(cfg.open_attempts):
-            try:
-                snap, taken = _take_snapshot(cfg, src, strict=attempt < cfg.open_attempts - 1)
-                reader = Reader(_connect_ro(str(snap)), str(src), snapshot_t=taken)
-                break
-            except (duckdb.Error, OSError, StoreUnavailable) as exc:
-                last_exc = exc
-                time.sleep(next(waits))
-        if reader is None:
-            raise StoreUnavailable(
-                "locked",
-                f"{src} is held by a writing process and no consistent snapshot could be "
-                f"copied ({last_exc}). Try again in a moment.",
-            )
-    try:
-        _check_schema(reader.con, str(src))
-        yield reader
-    finally:
-        reader.con.close()
+            ro = stack.enter_context(read_connection(
+                src, attempts=cfg.open_attempts, first_wait_s=cfg.open_backoff_s,
+                max_wait_s=cfg.max_backoff_s, snapshot_dir=_snapshot_dir(cfg)))  # fmt: skip
+        except StoreBusy as exc:
+            raise StoreUnavailable("locked", str(exc)) from exc
+        except StoreError as exc:
+            raise StoreUnavailable("unreadable", str(exc)) from exc
+        _check_schema(ro.con, str(src))
+        yield Reader(ro.con, str(src), snapshot_t=ro.snapshot_t)
 
 
 def write_with_retry(cfg: DashboardConfig, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:

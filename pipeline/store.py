@@ -122,10 +122,16 @@ class StoreError(Exception):
 class Store:
     """A DuckDB findings store; ``Store(path)`` creates or migrates, ``read_only`` only reads."""
 
-    def __init__(self, path: str | os.PathLike = DEFAULT_DB, read_only: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike = DEFAULT_DB, read_only: bool = False,
+                 con=None) -> None:  # fmt: skip
+        """``con``: an open connection to use (``store_read`` hands over a snapshot's)."""
         import duckdb
 
         self.path = Path(path)
+        if con is not None:
+            self.con, self.read_only = con, read_only
+            self._check_version()
+            return
         if read_only and not self.path.is_file():
             raise StoreError(f"{self.path}: no findings store here (run `rankscope replay "
                              f"TRACE --db {self.path}` or `rankscope serve` first)")  # fmt: skip
@@ -136,6 +142,10 @@ class Store:
         except (duckdb.IOException, duckdb.Error) as exc:
             raise StoreError(f"{self.path}: cannot open DuckDB store: {exc}") from exc
         self.read_only = read_only
+        self._check_version()
+
+    def _check_version(self) -> None:
+        read_only = self.read_only
         version = self.version()
         if version > SCHEMA_VERSION:
             self.close()

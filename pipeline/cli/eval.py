@@ -4,6 +4,8 @@ One row per fault kind (and ``all``): labels, labels found, findings, false
 findings, precision, recall, F1, and the detection latency in steps after
 onset (median and max). Below the table: every missed label, every false
 finding, unattributed findings, and the findings of traces without labels.
+With ``--db`` the findings scored are those a store holds for each trace's
+jobs (a live ``serve``'s, read through ``pipeline/store_read.py``), not a replay's.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ HEADER = ("kind", "labels", "found", "findings", "false", "unattr", "precision",
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    from rankscope.pipeline.cli.replay import trace_command
+
+    p = trace_command(
+        subparsers,
         "eval",
         help="score the detectors against the labels of recorded traces",
         description="Replay traces and compare their findings with each trace's labels.jsonl: "
         "precision, recall, F1 and detection latency per fault kind.",
     )
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace directory or file")
+    p.add_argument("--db", metavar="PATH", help="score the findings stored in this DuckDB file "
+                   "(by `serve` or `replay --db`, which may be running) for each trace's jobs "
+                   "instead of replaying the traces")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     p.set_defaults(func=run)
 
@@ -49,11 +56,14 @@ def run(args) -> int:
     from rankscope.pipeline.offline.evaluate import evaluate
 
     traces = check_traces(args.traces)
-    bar = ProgressBar()
-    try:
-        ev = evaluate(traces, progress=bar)
-    finally:
-        bar.close()
+    if args.db:
+        ev = evaluate(traces, findings_of=stored_findings(args.db, "eval"))
+    else:
+        bar = ProgressBar()
+        try:
+            ev = evaluate(traces, progress=bar)
+        finally:
+            bar.close()
     if ev.labeled_traces == 0 and not ev.unlabeled and ev.traces:
         print("rankscope: no trace has a labels.jsonl; nothing to score", file=sys.stderr)
     kinds = [ev.kinds[k] for k in sorted(ev.kinds)]
@@ -80,8 +90,42 @@ def run(args) -> int:
                     f"{x['step']} until {x.get('until')}")  # fmt: skip
                 print(f"  {trace}: {text}")
     report_bad_lines(ev.report)
-    require_steps(ev.report)
+    if not args.db:
+        require_steps(ev.report)
     return 0
+
+
+def stored_findings(db: str, command: str):
+    """``findings_of(trace)`` over a store (read through ``pipeline/store_read.py``, so a
+    store ``serve`` holds is read too): the stored findings of the trace's jobs. A job
+    the store has never seen is said on stderr, so its silence does not read as clean."""
+    from rankscope.pipeline.cli.errors import CliError
+    from rankscope.pipeline.cli.findings import say_snapshot
+    from rankscope.pipeline.engine.findings import Finding
+    from rankscope.pipeline.store import StoreError
+    from rankscope.pipeline.store_read import read_store
+    from rankscope.pipeline.traces.files import trace_jobs
+
+    try:
+        with read_store(db) as store:
+            rows = store.list_findings()
+            known = {j["job"] for j in store.list_jobs()}
+            snapshot = store.snapshot_t is not None
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    if snapshot:
+        say_snapshot(command, db)
+    by_job: dict[str, list] = {}
+    for row in rows:
+        by_job.setdefault(row["job"], []).append(Finding.from_dict(row))
+
+    def findings_of(path) -> list:
+        jobs = trace_jobs(path)
+        for job in sorted(jobs - known - set(by_job)):
+            print(f"rankscope {command}: job {job!r} of {path} is not in {db}", file=sys.stderr)
+        return [f for job in sorted(jobs) for f in by_job.get(job, [])]
+
+    return findings_of
 
 
 def _as_dict(k) -> dict:

@@ -31,8 +31,7 @@ def run(args) -> int:
             findings = store.list_findings(job=args.job, kind=args.kind)
             jobs = [j for j in store.list_jobs() if args.job is None or j["job"] == args.job]
             if store.snapshot_t is not None:
-                print(f"rankscope findings: {args.db} is held by a writer; read a snapshot "
-                      "taken just now", file=sys.stderr)  # fmt: skip
+                say_snapshot("findings", args.db)
     except StoreError as exc:
         raise CliError(str(exc)) from None
     if args.json:
@@ -56,6 +55,12 @@ def run(args) -> int:
     print(render_table(header, rows))
     _print_loss(jobs)
     return 0
+
+
+def say_snapshot(command: str, db) -> None:
+    """Tell the reader (on stderr) that a writer holds the store and a copy was read."""
+    print(f"rankscope {command}: {db} is held by a writer; read a snapshot taken just now",
+          file=sys.stderr)  # fmt: skip
 
 
 def _print_loss(jobs: list[dict]) -> None:

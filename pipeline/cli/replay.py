@@ -15,14 +15,21 @@ from rankscope.pipeline.cli.errors import CliError
 MAX_LISTED_ERRORS = 20
 
 
+def trace_command(subparsers, name: str, help: str, description: str):
+    """A subcommand over ``TRACE...`` (replay, eval): its parser, the traces argument added."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace directory or file")
+    return p
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = trace_command(
+        subparsers,
         "replay",
         help="run the detectors over recorded traces and print the findings",
         description="Replay traces (directories or .jsonl/.jsonl.gz/.parquet files) through "
         "the same engine the service runs, and print one line per finding.",
     )
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace directory or file")
     p.add_argument("--db", metavar="PATH", help="also store findings in this DuckDB file")
     p.add_argument("--json", action="store_true", help="one finding per line as JSON on stdout")
     p.add_argument(

@@ -120,20 +120,26 @@ def _labeled(path: Path) -> bool:
     return ((path if path.is_dir() else path.parent) / "labels.jsonl").is_file()
 
 
-def evaluate(paths, *, slack_steps: int = 3, progress=None) -> Evaluation:
-    """Replay each trace and score its findings against its labels."""
+def evaluate(paths, *, slack_steps: int = 3, progress=None, findings_of=None) -> Evaluation:
+    """Replay each trace and score its findings against its labels.
+
+    ``findings_of(path)``: the findings to score instead of replaying (e.g. those
+    a live ``serve`` stored for the trace's jobs)."""
     ev = Evaluation()
     for p in paths:
         path = Path(p)
         ev.traces += 1
-        result = replay_trace(path, report=ev.report, progress=progress)
+        if findings_of is None:
+            findings = replay_trace(path, report=ev.report, progress=progress).findings
+        else:
+            findings = findings_of(path)
         name = os.fspath(path)
         if not _labeled(path):
-            ev.unlabeled.extend((name, f) for f in result.findings)
+            ev.unlabeled.extend((name, f) for f in findings)
             continue
         ev.labeled_traces += 1
         labels = read_labels(path, ev.report)
-        _score_trace(ev, name, labels, result.findings, slack_steps)
+        _score_trace(ev, name, labels, findings, slack_steps)
     return ev
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "Trace",
     "trace_files",
     "iter_records",
+    "trace_jobs",
     "iter_parquet_tables",
     "read_trace",
     "read_meta",
@@ -168,6 +169,17 @@ def iter_records(paths: Iterable[str | os.PathLike], report: ReadReport) -> Iter
                 yield from _iter_parquet(f, report)
             else:
                 yield from _iter_jsonl(f, report)
+
+
+def trace_jobs(path: str | os.PathLike) -> set[str]:
+    """The jobs a trace holds, from the first good record of each file (a file is one
+    rank's or host's stream of one job), without reading the trace whole."""
+    jobs = set()
+    for f in trace_files(path):
+        first = next(iter_records([f], ReadReport()), None)
+        if first is not None:
+            jobs.add(first["job"])
+    return jobs
 
 
 def read_meta(path: str | os.PathLike) -> dict | None:

@@ -1,19 +1,15 @@
 """The dashboard next to a writing `serve`: lock, snapshot, triage retry; and the CLI's checks.
 
-A real second process holds the store open for writing (as `serve` does),
-with rows committed to its WAL but not checkpointed, while the dashboard
-reads and writes the same file.
+A real second process holds the store open for writing (as `serve` does,
+``support/held_store.py``), with rows committed to its WAL but not
+checkpointed, while the dashboard reads and writes the same file.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 from pathlib import Path
 
 import duckdb
@@ -25,23 +21,10 @@ from rankscope.pipeline.cli import main as cli_main
 from rankscope.pipeline.store import Store
 from streamlit.testing.v1 import AppTest
 from support.dashboard_store import SDC_JOB, shared_demo_store
+from support.held_store import HeldStore
 from support.paths import DASHBOARD_APP
 
 APP = str(DASHBOARD_APP)
-
-WRITER = textwrap.dedent("""
-    import sys, time, pathlib
-    from rankscope.pipeline.store import Store
-    db, ready, release = sys.argv[1:4]
-    s = Store(db)
-    s.con.execute("SET checkpoint_threshold = '1GB'")  # keep the new rows in the WAL
-    s.record_job({"job": "live-job", "world": 4, "hosts": 1, "last_step": 7, "frames": 8,
-                  "last_t": 1.0})
-    pathlib.Path(ready).write_text("ok")
-    while not pathlib.Path(release).exists():
-        time.sleep(0.05)
-    s.close()
-""")
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +37,6 @@ def db(built, tmp_path):
     path = tmp_path / "store.duckdb"
     shutil.copy(built[0], path)
     return path
-
-
-class HeldStore:
-    """A second process holding the store for writing until released."""
-
-    def __init__(self, db: Path, tmp: Path) -> None:
-        self.ready, self.release = tmp / "ready", tmp / "release"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(db), str(self.ready), str(self.release)]
-        )
-        deadline = time.monotonic() + 60
-        while not self.ready.exists():
-            assert self.proc.poll() is None, "writer process died"
-            assert time.monotonic() < deadline, "writer did not start"
-            time.sleep(0.05)
-
-    def let_go(self) -> None:
-        self.release.write_text("go")
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture
