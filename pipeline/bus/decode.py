@@ -15,14 +15,25 @@ verdict is therefore always ``validate_record``'s, plus the bounds of
 paths ask ``bounds_reason`` / ``columns_bounds_reason``, the slow path
 ``check_record``). An array keeps its good records when an element is bad,
 even one that is no record at all.
+
+The usual message, one producer's array of ``step`` records, first tries a
+typed decode (``typed_step_columns``): msgspec parses the array into structs
+declared from the schema table, checking each value's exact type as it parses
+(an int field refuses ``3.0`` and ``true``; an unknown field, a ``null``, a
+``NaN`` token or another record type refuses the whole message), at about a
+third of the cost of orjson dicts plus ``uniform_columns``. Whatever it
+refuses takes the way above, so the verdict does not change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
+from msgspec.structs import astuple
 from rankscope.collectors.schema.records import COLLECTIVE_FIELDS, PHASES, SCHEMA, RecordError
 from rankscope.pipeline.bus.kafka import decode_value
 from rankscope.pipeline.engine.columns import chunk_from_columns
@@ -33,7 +44,7 @@ from rankscope.pipeline.traces.validate import (
 )
 
 __all__ = ["COLUMNS_MIN_RECORDS", "StepBatch", "check_fast", "decode_message", "decode_records",
-           "uniform_columns"]  # fmt: skip
+           "uniform_columns", "typed_step_columns"]  # fmt: skip
 
 COLUMNS_MIN_RECORDS = 32
 """Messages of fewer step records go the record path (arrays cost a fixed ~30 µs)."""
@@ -196,6 +207,80 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
     return cols
 
 
+def _typed_step():
+    """The step record as a msgspec struct, field by field from the schema table; the
+    names of its optional fields and of its int-or-float fields."""
+    exact = {frozenset({t}): t for t in (int, str, bool, list, dict)}
+    fields: list[tuple] = [("v", int), ("type", Literal["step"]), ("job", str)]
+    optional, numbers = [], []
+    for name, (types, required) in SCHEMA["step"].items():
+        if frozenset(types) == {int, float}:
+            hint: Any = int | float  # an int stays an int: the bounds check needs to know
+            numbers.append(name)
+        else:
+            hint = exact[frozenset(types)]
+        if required:
+            fields.append((name, hint))
+        else:
+            fields.append((name, hint | msgspec.UnsetType, msgspec.UNSET))
+            optional.append(name)
+    # gc=False: the structs hold no cycles, and millions of them would wake the collector
+    cls = msgspec.defstruct("TypedStep", fields, kw_only=True, forbid_unknown_fields=True,
+                            gc=False)  # fmt: skip
+    return cls, frozenset(optional), frozenset(numbers)
+
+
+_TYPED_STEP, _OPTIONAL, _NUMBERS = _typed_step()
+_TYPED_DECODER = msgspec.json.Decoder(list[_TYPED_STEP])
+_TYPED_FIELDS = tuple(
+    (name, name in _OPTIONAL, name in _NUMBERS) for name in _TYPED_STEP.__struct_fields__
+)
+_KNOWN_TYPES = {"v": {int}, "type": {str}, "job": {str}} | {
+    name: set(types) for name, (types, _req) in SCHEMA["step"].items() if name not in _NUMBERS
+}
+
+
+def typed_step_columns(value: bytes, min_records: int = COLUMNS_MIN_RECORDS,
+                       ) -> dict[str, list] | None:  # fmt: skip
+    """``uniform_columns`` of an array of at least ``min_records`` step records, decoded
+    typed (see the module docstring); None for anything else, decoded the old way."""
+    if value[:1] != b"[":
+        return None
+    try:
+        recs = _TYPED_DECODER.decode(value)
+    except msgspec.DecodeError:  # ValidationError too: a type, a field, a token
+        return None
+    n = len(recs)
+    if n < min_records:
+        return None
+    cols: dict[str, list] = {}
+    types: dict[str, set] = {}
+    unset, unset_type = msgspec.UNSET, msgspec.UnsetType
+    # one C-level transposition (struct -> tuple, then zip) instead of a pass a field
+    columns = zip(*map(astuple, recs), strict=True)
+    for (name, optional, number), vals in zip(_TYPED_FIELDS, columns, strict=True):
+        if optional and vals[0] is unset:
+            if vals.count(unset) != n:  # identity first: cheap while all are unset
+                return None  # a field some records have and others lack: not one shape
+            continue
+        if optional or number:
+            seen = set(map(type, vals))
+            if unset_type in seen:
+                return None
+            types[name] = seen
+        else:
+            types[name] = _KNOWN_TYPES[name]
+        cols[name] = vals
+    if set(cols["v"]) != {1}:
+        return None
+    colls = cols.get("collectives")
+    if colls is not None and not all(not c or _colls_ok(c) for c in colls):
+        return None
+    if columns_bounds_reason("step", cols, types=types) is not None:
+        return None
+    return cols
+
+
 def decode_records(value: bytes | None, good: list[dict], bad: list[tuple[int, str, dict]]):
     """Decode one message value into ``good`` records; ``bad`` gets ``(index, reason,
     record)`` per unusable record. Raises ValueError when the value itself is unusable."""
@@ -208,6 +293,12 @@ def decode_message(value: bytes | None, good: list[dict], bad: list[tuple[int, s
     ``step`` records of one job and one shape comes back as a ``StepBatch`` (columns,
     nothing added to ``good``): the per-record Python work of the assembler is then
     skipped. Smaller messages cost less as records than as arrays."""
+    cols = typed_step_columns(value, min_columns) if value is not None else None
+    if cols is not None:
+        if len(set(cols["job"])) == 1:
+            batch = StepBatch.of(cols, len(cols["job"]))
+            if batch is not None:
+                return batch
     recs = decode_value(value)
     if len(recs) >= min_columns and type(recs[0]) is dict and recs[0].get("type") == "step":
         cols = uniform_columns(recs)
