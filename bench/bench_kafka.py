@@ -14,12 +14,21 @@ record of the step received -> step detected), and the same records through
 the embedded bus (an in-process queue of record batches into the same
 validate -> engine -> store path) for the ratio. Asserts nothing about time.
 
+``--baseline REV`` measures side by side, in the same run and the same
+conditions: the code of git revision REV (``git archive`` into a temporary
+folder, nothing in the repository changes) and this checkout's code take
+turns, ``--rounds`` times each, every measurement in a fresh process (the
+publisher is this checkout's in both), and the table gives the median rates
+of each and their ratio.
+
     .venv/bin/python bench/bench_kafka.py [--world 2048] [--steps 100] [--batch 1024]
+    .venv/bin/python bench/bench_kafka.py --baseline fc8f0cc [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import random
@@ -166,16 +175,109 @@ def embedded_run(args, db: Path) -> dict:
     return {"records": n, "seconds": dt, "findings": list(findings.values())}
 
 
+def use_code(code: Path) -> None:
+    """Import ``rankscope`` from ``code`` (a checkout's root) instead of the installed one."""
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not getattr(f, "__module__", "").startswith("__editable___rankscope")]
+    pkg = Path(tempfile.mkdtemp(prefix="rankscope-code-")) / "rankscope"
+    pkg.mkdir()
+    for name in ("collectors", "detectors", "pipeline", "dashboard"):
+        (pkg / name).symlink_to(code / name)
+    sys.path.insert(0, str(pkg.parent))
+
+
+def child(args) -> int:
+    """One measurement (``--child live|backlog|embedded``) with ``--code``'s rankscope; a JSON
+    line on stdout."""
+    use_code(Path(args.code))
+    import rankscope.pipeline
+
+    assert Path(rankscope.pipeline.__file__).resolve().is_relative_to(Path(args.code).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "bench.duckdb"
+        if args.child == "embedded":
+            e = embedded_run(args, db)
+            out = {"records": e["records"], "seconds": e["seconds"],
+                   "findings": sorted({f"{f.kind}{list(f.ranks)}" for f in e["findings"]})}
+        else:
+            k = kafka_run(args.bootstrap, args, db, backlog=args.child == "backlog")
+            s = k["stats"]
+            from rankscope.pipeline.store import Store
+
+            with Store(db, read_only=True) as st:
+                found = sorted({f"{f['kind']}{f['ranks']}" for f in st.list_findings()})
+            lat = s.step_latency_s
+            out = {"records": s.records, "seconds": s.busy_s, "findings": found,
+                   "latency_median_s": statistics.median(lat) if lat else None}
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def compare(args, bootstrap: str) -> int:
+    """The baseline revision's code and this checkout's, turn about, in fresh processes."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "baseline"
+        base.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        codes = {f"baseline {args.baseline}": base, "this checkout": ROOT}
+        rates: dict[tuple[str, str], list[float]] = {}
+        found: dict[tuple[str, str], set] = {}
+        for r in range(args.rounds):
+            for label, code in codes.items():
+                for kind in ("live", "backlog", "embedded"):
+                    cmd = [sys.executable, __file__, "--child", kind, "--code", str(code),
+                           "--bootstrap", bootstrap, "--world", str(args.world),
+                           "--steps", str(args.steps), "--batch", str(args.batch)]
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                    if out.returncode != 0 or not line:
+                        print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+                        return 1
+                    res = json.loads(line[0][7:])
+                    rate = res["records"] / res["seconds"] if res["seconds"] > 0 else 0.0
+                    rates.setdefault((label, kind), []).append(rate)
+                    found.setdefault((label, kind), set()).update(res["findings"])
+                    print(f"round {r + 1}: {label:>20} {kind:>8}: {rate:>9,.0f} records/s "
+                          f"{res['findings']}", flush=True)  # fmt: skip
+    print(f"\njob: {args.world} ranks x {args.steps} steps, {args.batch} records a message; "
+          f"median of {args.rounds} round(s), records/s")  # fmt: skip
+    labels = list(codes)
+    med = {k: float(np.median(v)) for k, v in rates.items()}
+    print(f"{'':>10} " + " ".join(f"{lab:>22}" for lab in labels) + f" {'this / baseline':>16}")
+    for kind in ("live", "backlog", "embedded"):
+        a, b = med[(labels[0], kind)], med[(labels[1], kind)]
+        print(f"{kind:>10} {a:>22,.0f} {b:>22,.0f} {b / a if a else float('nan'):>16.2f}")
+    for lab in labels:
+        e = med[(lab, "embedded")]
+        print(f"kafka / embedded, {lab}: live {med[(lab, 'live')] / e:.2f}, "
+              f"backlog {med[(lab, 'backlog')] / e:.2f}")  # fmt: skip
+    print("findings: " + "; ".join(f"{lab} {kind}: {sorted(found[(lab, kind)])}"
+                                   for lab in labels for kind in ("live", "embedded")))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=1024, help="records per Kafka message")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also measure git revision REV's code, side by side (e.g. fc8f0cc)")
+    ap.add_argument("--rounds", type=int, default=1, help="turns of each code with --baseline")
     ap.add_argument("--publisher", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("live", "backlog", "embedded"), help=argparse.SUPPRESS)
+    ap.add_argument("--code", help=argparse.SUPPRESS)
+    ap.add_argument("--bootstrap", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.publisher:
         publisher(args.publisher, "bench-kafka", args.world, args.steps, args.batch, seed=1)
         return 0
+    if args.child:
+        return child(args)
 
     started = False
     bootstrap = os.environ.get("RANKSCOPE_KAFKA_BOOTSTRAP")
@@ -185,6 +287,12 @@ def main() -> int:
             subprocess.run([str(ROOT / "scripts/kafka"), "up"], check=True)
             started = True
         bootstrap = (ROOT / ".kafka/bootstrap").read_text().strip()
+    if args.baseline:
+        try:
+            return compare(args, bootstrap)
+        finally:
+            if started:
+                subprocess.run([str(ROOT / "scripts/kafka"), "down"], check=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             k = kafka_run(bootstrap, args, Path(tmp) / "kafka.duckdb")
