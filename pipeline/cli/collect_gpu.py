@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from rankscope.pipeline.cli.argtypes import number
 from rankscope.pipeline.cli.errors import CliError
 
 
@@ -47,14 +48,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+_positive = number(float, above=0)
 
 
 def _index_list(text: str) -> list[int]:

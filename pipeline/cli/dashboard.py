@@ -13,13 +13,13 @@ located with ``importlib.util.find_spec`` and run by path.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import socket
 import sys
 from pathlib import Path
 
+from rankscope.pipeline.cli.argtypes import number
 from rankscope.pipeline.cli.errors import CliError
 
 DB_ENV = "RANKSCOPE_DB"  # read by dashboard/config.py
@@ -40,14 +40,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be a number, got {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 1..65535, got {port}")
-    return port
+_port = number(int, lo=1, hi=65535, name="port")
 
 
 def check_store(path: Path) -> str:

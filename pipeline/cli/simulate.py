@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rankscope.pipeline.cli.argtypes import number
 from rankscope.pipeline.cli.errors import CliError
 
 EPILOG = """\
@@ -30,14 +31,7 @@ def _fault(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} should be >= 1")
-    return value
+_positive = number(int, lo=1)
 
 
 def register(subparsers) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import shutil
 from pathlib import Path
 
 import duckdb
@@ -19,25 +18,15 @@ import pyarrow as pa
 import pytest
 from rankscope.pipeline.store import Store
 from streamlit.testing.v1 import AppTest
-from support.dashboard_store import SDC_JOB, SYNTH_JOB, shared_demo_store
+from support.dashboard_store import SDC_JOB, SYNTH_JOB
 from support.paths import DASHBOARD_APP
 
 APP = str(DASHBOARD_APP)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return shared_demo_store(tmp_path_factory)
-
-
 @pytest.fixture
-def db(built, tmp_path, monkeypatch):
-    """A private copy of the replayed store (tests may write triage into it)."""
-    path = tmp_path / "store.duckdb"
-    shutil.copy(built[0], path)
-    monkeypatch.setenv("RANKSCOPE_DB", str(path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # snapshot copies stay inside the test
-    return path
+def db(app_db):
+    return app_db  # tests/unit/conftest.py
 
 
 def render(view: str, **state) -> AppTest:

@@ -20,16 +20,11 @@ from rankscope.dashboard.db import StoreUnavailable, open_reader, write_with_ret
 from rankscope.pipeline.cli import main as cli_main
 from rankscope.pipeline.store import Store
 from streamlit.testing.v1 import AppTest
-from support.dashboard_store import SDC_JOB, shared_demo_store
+from support.dashboard_store import SDC_JOB
 from support.held_store import HeldStore
 from support.paths import DASHBOARD_APP
 
 APP = str(DASHBOARD_APP)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return shared_demo_store(tmp_path_factory)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from rankscope.dashboard.config import DashboardConfig
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.store import Store
 from streamlit.testing.v1 import AppTest
-from support.dashboard_store import SDC_JOB, SYNTH_JOB, shared_demo_store
+from support.dashboard_store import SDC_JOB, SYNTH_JOB
 from support.paths import DASHBOARD_APP
 
 VIEWS = ("Jobs", "Findings", "Heatmap", "Finding", "Rank", "Host", "Triage")
@@ -25,18 +25,9 @@ HOSTILE_JOB = f"job![x]({EVIL_URL})**bold**:red[red]"
 HOSTILE_HOST = f'<img src="{EVIL_URL}" onerror="alert(1)">node'
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return shared_demo_store(tmp_path_factory)
-
-
 @pytest.fixture
-def db(built, tmp_path, monkeypatch):
-    path = tmp_path / "store.duckdb"
-    shutil.copy(built[0], path)
-    monkeypatch.setenv("RANKSCOPE_DB", str(path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    return path
+def db(app_db):
+    return app_db  # tests/unit/conftest.py
 
 
 def app(**params) -> AppTest:
