@@ -69,6 +69,10 @@ def test_live_stack_up_finds_the_straggler_and_down_stops_only_what_it_started(t
         assert stat.S_IMODE(live.stat().st_mode) == 0o700
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=10) as r:
             assert r.status == 200
+        (metrics,) = [ln.split()[1] for ln in up.stdout.splitlines() if ln.strip().startswith(
+            "metrics ")]  # fmt: skip
+        with urllib.request.urlopen(metrics, timeout=10) as r:
+            assert b"rankscope_" in r.read()  # serve's Prometheus endpoint, records counted
         status = _live(env, "status")
         assert status.returncode == 0 and "serve: running" in status.stdout
         assert "broker" not in status.stdout  # given a broker, the stack does not own it
