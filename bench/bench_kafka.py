@@ -92,9 +92,14 @@ def kafka_run(bootstrap: str, args, db: Path, *, backlog: bool = False) -> dict:
     prefix = f"bench{int(time.time() * 1000)}"
     url = f"kafka://{bootstrap}?topic_prefix={prefix}"
     KafkaBus(url).ensure_topics(partitions=4)
+    import dataclasses
+
+    # the ops side on, as an operator runs it: a metrics endpoint (where the code has one)
+    ops = {"metrics_port": 0} if "metrics_port" in {
+        f.name for f in dataclasses.fields(ServeConfig)} else {}  # fmt: skip
     cfg = ServeConfig(
         bus=url, db_path=str(db), group=f"{prefix}-serve", idle_exit_s=3.0,
-        control_secret=b"bench-secret-0123456789", measure_latency=True,
+        control_secret=b"bench-secret-0123456789", measure_latency=True, **ops,
     )  # fmt: skip
     service = Service(cfg)
     pub = subprocess.Popen(
@@ -190,7 +195,13 @@ def child(args) -> int:
     """One measurement (``--child live|backlog|embedded``) with ``--code``'s rankscope; a JSON
     line on stdout."""
     use_code(Path(args.code))
+    import logging
+
     import rankscope.pipeline
+
+    # serve's own lines at INFO (written, to nowhere), as `rankscope serve` logs by default
+    logging.basicConfig(level=logging.WARNING, stream=open(os.devnull, "w"))  # noqa: SIM115
+    logging.getLogger("rankscope").setLevel(logging.INFO)
 
     assert Path(rankscope.pipeline.__file__).resolve().is_relative_to(Path(args.code).resolve())
     with tempfile.TemporaryDirectory() as tmp:
