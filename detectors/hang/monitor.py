@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rankscope.detectors.hang.clock import clock_offsets, now_corrected, silent_s, since
+from rankscope.detectors.hang.early import crash_limit, crashed_early, job_quiet, silent_job
 from rankscope.detectors.hang.evidence import build_signals
 from rankscope.detectors.hang.groups import axis_groups, instance_namer
 from rankscope.detectors.hang.state import Job as _Job
@@ -30,14 +31,24 @@ OFFSET_REFRESH_STEPS = 4
 class Config:
     """When a job counts as stalled and a rank as silent."""
 
-    stall_min_s: float = 30.0
-    """Shortest stall (seconds without any rank finishing a step) ever declared."""
+    stall_min_s: float = 10.0
+    """Shortest live stall (seconds without any rank finishing a step) ever declared: a
+    hang is named within max(this, ``stall_step_factor`` x the p99 step time)."""
     stall_step_factor: float = 10.0
-    """A stall also needs this many recent median step times without progress."""
+    """A stall also needs this many p99 recent step times without progress."""
     end_stall_min_s: float = 5.0
     """At the end of a trace (``check_end``: the end of the trace is the end of the job,
     no more beats can come) a stall of max(this, ``stall_step_factor`` x the p99 step
     time) is enough: the job was killed stuck (e.g. by a watchdog)."""
+    crash_s: float = 5.0
+    """A rank whose beats stop while its peers beat on, waiting in collectives, is named
+    crashed within this many seconds of its last beat, before any stall deadline."""
+    crash_margin_s: float = 2.0
+    """What of ``crash_s`` the beats' travel and the next check take (``serve``'s clock
+    trails the wall by up to ``watermark.DELIVERY_S``): a crash is named after
+    ``crash_s - crash_margin_s`` of silence."""
+    crash_beat_factor: float = 3.0
+    """...and after at least this many of the rank's own median beat gaps."""
     step_window: int = 32
     """How many recent step durations the median uses."""
     silence_min_s: float = 10.0
@@ -59,6 +70,10 @@ class Config:
             raise ValueError("hang Config: stall_min_s should be > 0")
         if not self.stall_step_factor >= 1:
             raise ValueError("hang Config: stall_step_factor should be >= 1")
+        if not 0 <= self.crash_margin_s < self.crash_s:
+            raise ValueError("hang Config: crash_margin_s should be >= 0 and < crash_s")
+        if not self.crash_beat_factor >= 1:
+            raise ValueError("hang Config: crash_beat_factor should be >= 1")
         if not self.end_stall_min_s > 0:
             raise ValueError("hang Config: end_stall_min_s should be > 0")
         if self.step_window < 1 or self.beat_window < 1 or self.offset_steps < 1:
@@ -241,21 +256,20 @@ class HangMonitor:
 
     # ---- verdict -----------------------------------------------------------
     def deadline_s(self, job: str) -> float:
-        """Seconds without progress after which ``job`` counts as stalled."""
-        j = self._jobs.get(job)
-        if j is None or not j.durations:
-            return self.cfg.stall_min_s
-        typical = statistics.median(j.durations)
-        return max(self.cfg.stall_min_s, self.cfg.stall_step_factor * typical)
+        """Seconds without progress after which ``job`` counts as stalled (live)."""
+        return self._deadline(job, self.cfg.stall_min_s)
 
     def end_deadline_s(self, job: str) -> float:
         """The stall that counts at the end of a trace: max(end_stall_min_s, factor x p99)."""
+        return self._deadline(job, self.cfg.end_stall_min_s)
+
+    def _deadline(self, job: str, floor: float) -> float:
         j = self._jobs.get(job)
         if j is None or not j.durations:
-            return self.cfg.end_stall_min_s
+            return floor
         d = sorted(j.durations)
         p99 = d[min(len(d) - 1, math.ceil(0.99 * len(d)) - 1)]
-        return max(self.cfg.end_stall_min_s, self.cfg.stall_step_factor * p99)
+        return max(floor, self.cfg.stall_step_factor * p99)
 
     def _silence_limit(self, rs: _Rank) -> float:
         gap = statistics.median(rs.gaps) if rs.gaps else 0.0
@@ -285,24 +299,44 @@ class HangMonitor:
             j = self._jobs.get(name)
             if j is None or j.first_arrival is None:
                 continue
-            offsets = self.offsets(name)
-            stalled = now_corrected(j, now, offsets) - since(j, offsets)
-            deadline = deadline_of(name)
-            if stalled < deadline and not self.ended_abnormally(name, now):
-                j.reported = None
+            loc = self._verdict(name, j, now, deadline_of(name))
+            if loc is None:
                 continue
-            loc, views = self.localize(name, now)
             key = (tuple(loc.hang), tuple(loc.crash), tuple(loc.unattributed))
             if key == j.reported or not any(key):
                 continue
             j.reported = key
+            offsets = self.offsets(name)
             now_c = now_corrected(j, now, offsets)
+            stalled = now_c - since(j, offsets)
             out.extend(
-                build_signals(
-                    name, j, loc, now_c, offsets, stalled, deadline, self.cfg.evidence_ranks
-                )
+                build_signals(name, j, loc, now_c, offsets, stalled, deadline_of(name),
+                              self.cfg.evidence_ranks)  # fmt: skip
             )
         return out
+
+    def _verdict(self, name: str, j: _Job, now: float, deadline: float) -> Localization | None:
+        """What to say about one job now: None while it is not stalled; else who hangs,
+        who crashed (early: before the deadline), or, for a job fallen wholly silent,
+        nobody (``early.py``)."""
+        offsets = self.offsets(name)
+        now_c = now_corrected(j, now, offsets)
+        stalled = now_c - since(j, offsets)
+        if stalled < deadline and not self.ended_abnormally(name, now):
+            crashed = crashed_early(self.cfg, j, now_c, offsets, stalled)
+            if not crashed:
+                if stalled < self.cfg.crash_s - self.cfg.crash_margin_s:
+                    j.reported = None  # progress since: a later stall is a new one
+                return None
+            loc, _ = self.localize(name, now, silence=lambda rs: crash_limit(self.cfg, rs))
+            return Localization(crash=[r for r in loc.crash if r in crashed], waiting=loc.waiting,
+                                reasons=loc.reasons)  # fmt: skip
+        loc, _ = self.localize(name, now)
+        if not self.ended_abnormally(name, now) and job_quiet(self.cfg, j, now_c, offsets):
+            if j.reported and (j.reported[0] or j.reported[1]):
+                return None  # its culprits were named before it fell silent
+            return silent_job(j, loc, now_c, offsets)
+        return loc
 
     @staticmethod
     def _views(j: _Job, universe, alive: dict[int, bool], split: bool) -> dict[int, RankView]:
@@ -348,8 +382,10 @@ class HangMonitor:
                 return False
         return True
 
-    def localize(self, job: str, now: float) -> tuple[Localization, dict[int, RankView]]:
-        """The wait-for verdict for ``job`` as of ``now`` (no stall test, no state change)."""
+    def localize(self, job: str, now: float, silence=None
+                 ) -> tuple[Localization, dict[int, RankView]]:  # fmt: skip
+        """The wait-for verdict for ``job`` as of ``now`` (no stall test, no state change);
+        ``silence``: rank -> seconds after which it counts as stopped (default: silent)."""
         j = self._jobs[job]
         offsets = self.offsets(job)
         now_c = now_corrected(j, now, offsets)
@@ -364,7 +400,7 @@ class HangMonitor:
             if ended:  # who closed properly vs who vanished without a final beat
                 alive[r] = _closed(rs)
             else:
-                alive[r] = silent_s(rs, now_c, offsets) <= self._silence_limit(rs)
+                alive[r] = silent_s(rs, now_c, offsets) <= (silence or self._silence_limit)(rs)
         views = self._views(j, universe, alive, split=True)
         loc = localize(views, {**axis_groups(j, views), **j.groups})
         if loc.unattributed and j.coords:

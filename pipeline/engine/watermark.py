@@ -14,6 +14,14 @@ nothing for ``stall_s`` wall seconds (crashed, hung without beats, or not
 started yet) no longer holds ``W`` back, and a job that sent nothing for that
 long has delivered what it will (``W`` becomes its latest ``t``).
 
+The records watermark (what the hang monitor goes by) also lets silence count:
+a rank's records come in order, within ``DELIVERY_S`` of their time, so one
+that sent nothing for ``q`` wall seconds has sent nothing up to its latest
+``t + q - DELIVERY_S`` either (an idle source's watermark goes on). A dead
+rank then looks silent on the monitor's clock as the wall clock runs, not
+only once ``stall_s`` has passed, and a job that fell wholly silent has its
+silence measured instead of its clock standing still at its last record.
+
 Two watermarks per job: over ``step``/``check`` records (step deadlines, the
 same records the replay clock uses) and over every rank-stamped record,
 beats included (the hang monitor, whose beats keep coming while steps stop).
@@ -27,9 +35,13 @@ import math
 
 import numpy as np
 
-__all__ = ["Watermark"]
+__all__ = ["Watermark", "DELIVERY_S"]
 
 _NEG = -math.inf
+DELIVERY_S = 1.0
+"""Longest a record takes from its rank (its time ``t``) to ``serve``: the collector
+sends every 0.2 s and flushes every 1 s, Kafka adds its linger. Silence counts on the
+records watermark only beyond this."""
 
 
 class Watermark:
@@ -94,19 +106,25 @@ class Watermark:
             got[0] = float(t)
         got[1] = now
 
-    def _min_live(self, which: str, world: int, now: float, stall_s: float, latest: float
-                  ) -> float:  # fmt: skip
-        if now - self.last_wall > stall_s:
-            return latest  # the job went quiet: everything it sent is here
+    def _min_live(self, which: str, world: int, now: float, stall_s: float, latest: float,
+                  silence: bool = False) -> float:  # fmt: skip
+        quiet = now - self.last_wall
+        if quiet > stall_s:  # the job went quiet: everything it sent is here
+            return latest + max(0.0, quiet - DELIVERY_S) if silence else latest
         self._grow(world)
-        times = getattr(self, which)  # after growing: the arrays are replaced
+        times = getattr(self, which)[:world]  # after growing: the arrays are replaced
         wall = self.wall[:world]
         live = wall >= now - stall_s
         if now - self.first_wall <= stall_s:
             live |= wall == _NEG  # not heard from yet, but the job just began
         if not live.any():
             return latest
-        return float(times[:world][live].min())
+        times, wall = times[live], wall[live]
+        if silence:  # nothing of a rank's is on its way that is older than its silence
+            heard = wall > _NEG
+            times = times.copy()
+            times[heard] += np.maximum(0.0, now - wall[heard] - DELIVERY_S)
+        return float(times.min())
 
     def steps(self, world: int, now: float, stall_s: float, latest: float) -> float:
         """Record time up to which every live rank's step records are in."""
@@ -115,8 +133,9 @@ class Watermark:
         return self._step_w
 
     def records(self, world: int, now: float, stall_s: float, latest: float) -> float:
-        """Record time up to which every live rank's records (beats too) are in."""
-        w = self._min_live("any_t", world, now, stall_s, latest)
+        """Record time up to which every live rank's records (beats too) are in, or by
+        its silence cannot be (``DELIVERY_S``): may run past the latest ``t``."""
+        w = self._min_live("any_t", world, now, stall_s, latest, silence=True)
         self._any_w = max(self._any_w, w)
         return self._any_w
 

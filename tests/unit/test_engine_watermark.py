@@ -132,3 +132,58 @@ def test_beats_reach_the_monitor_only_behind_the_watermark():
 def test_stall_must_be_positive(bad):
     with pytest.raises(ValueError, match="stall_s"):
         AssemblerConfig(clock="event", stall_s=bad)
+
+
+def _serve_a_job(after_step_19: str, seconds: float, delay: float = 0.3):
+    """A 4-rank job (0.5 s steps, 1 s beats) fed to an event-clock engine as ``serve``
+    feeds it: each record ``delay`` wall seconds after its time, a tick every 0.1 s.
+    After step 19: ``crash`` (rank 3 stops, 0-2 beat on waiting in dp#20) or ``silent``
+    (every rank stops). Returns [(wall time, finding)] and rank 3's last beat time."""
+    from support.engine_synth import T0
+
+    recs = make_records(steps=20, dp=4, tp=1, step_s=0.5)
+
+    def beat(rank, t, step, **coll):
+        return {"v": 1, "type": "beat", "job": "job-a", "rank": rank, "host": "h0", "t": t,
+                "step": step, "phase": "collective", "coll_group": "dp", **coll}  # fmt: skip
+
+    for step in range(20):
+        t = T0 + 0.5 * step + 0.01
+        recs += [beat(r, t, step, coll_seq=step, coll_done=True) for r in range(4)]
+    last_beat_3 = T0 + 0.5 * 19 + 0.01
+    if after_step_19 == "crash":
+        for i in range(int(seconds)):
+            t = T0 + 10.0 + i
+            recs += [beat(r, t, 20, coll_seq=20, coll_done=False) for r in range(3)]
+    recs.sort(key=lambda r: r["t"])
+    eng = Engine(EngineConfig(assembler=AssemblerConfig(clock="event")))
+    out, i = [], 0
+    for k in range(int((10.0 + seconds) / 0.1)):
+        now = T0 + 0.1 * k
+        batch = []
+        while i < len(recs) and recs[i]["t"] + delay <= now:
+            batch.append(recs[i])
+            i += 1
+        out += [(now, f) for f in (eng.feed(batch, now) if batch else eng.tick(now))]
+    return out, last_beat_3
+
+
+def test_serve_names_a_crashed_rank_within_5_s_of_its_last_beat():
+    found, last = _serve_a_job("crash", seconds=20)
+    hang = [(now, f) for now, f in found if f.detector == "hang"]
+    assert [(f.kind, f.ranks, f.action) for _, f in hang][:1] == [("crash", [3], "evict")]
+    assert 3.0 <= hang[0][0] - last <= 5.0  # wall time from its last beat to the finding
+    assert not [f for _, f in found if f.action == "evict" and f.ranks != [3]]
+
+
+def test_serve_catches_a_job_that_falls_wholly_silent_and_blames_no_rank():
+    """Every rank stops at once: the watermark's clock stood still at the last record
+    (nothing was ever said); now the silence is measured on the wall clock and, at the
+    stall deadline, reported as a stall of the whole job, with no culprit."""
+    found, last = _serve_a_job("silent", seconds=16)
+    hang = [(now, f) for now, f in found if f.detector == "hang"]
+    assert [(f.kind, f.ranks, f.unattributed, f.action) for _, f in hang] == [
+        ("hang", [0, 1, 2, 3], True, "observe")
+    ]
+    assert 10.0 <= hang[0][0] - last <= 12.0  # the deadline: max(10 s, 10 x p99 step)
+    assert not [f for _, f in found if f.action in ("evict", "recover")]

@@ -141,26 +141,67 @@ def test_rank_stuck_in_another_groups_collective_is_not_blamed():
     assert ev["waiting"]["0"] == [1] and ev["waiting"]["1"] == [3]
 
 
-def test_crashed_rank_stops_beating():
+def test_crashed_rank_is_named_within_crash_s_of_its_last_beat():
     mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]})  # rank 3's last beat: t - 1
+    states = {r: blocked("dp", 20) for r in (0, 1, 2)}
+    states[3] = {"phase": "forward"}
+    signals, first = freeze(mon, states, t, 45, step=20, dead=(3,))
+    assert by_kind(signals) == {"crash": {3}}
+    assert 3.0 <= first - (t - 1) <= 5.0  # crash_s = 5: not before 3 s of silence
+    assert 3.0 <= signals[0].evidence["ranks"]["3"]["silent_s"] <= 5.0
+    assert signals[0].severity == "fatal"
+
+
+@pytest.mark.parametrize("crash_s, margin", [(10.0, 2.0), (4.0, 1.0)])
+def test_the_crash_bound_is_configurable(crash_s, margin):
+    mon = HangMonitor(Config(crash_s=crash_s, crash_margin_s=margin, stall_min_s=60.0))
     t = train(mon, {"dp": [0, 1, 2, 3]})
     states = {r: blocked("dp", 20) for r in (0, 1, 2)}
     states[3] = {"phase": "forward"}
-    signals, _ = freeze(mon, states, t, 45, step=20, dead=(3,))
+    signals, first = freeze(mon, states, t, 30, step=20, dead=(3,))
     assert by_kind(signals) == {"crash": {3}}
-    assert signals[0].evidence["ranks"]["3"]["silent_s"] >= 30
+    assert crash_s - margin <= first - (t - 1) <= crash_s
 
 
-def test_crash_found_even_when_everyone_stopped():
-    # gloo: the survivors error out soon after a peer dies. Their last beats
-    # still show them waiting for the dead rank.
+def test_a_silent_rank_is_no_early_crash_while_its_peers_compute():
+    """Long steps: peers computing (not waiting for it) while one rank's beats pause
+    is no evidence of a crash; only the stall deadline may speak."""
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]})
+    states = {r: {"phase": "forward"} for r in (0, 1, 2)}
+    states[3] = {"phase": "forward"}
+    signals, _ = freeze(mon, states, t, 9, step=20, dead=(3,))
+    assert signals == []
+
+
+def test_a_job_falling_silent_together_is_a_stall_of_the_whole_job():
+    """Every rank stops at once (the job killed whole, or its link to rankscope lost):
+    the last beats show 0-2 waiting for 3, as at any instant of healthy training, so
+    no rank is blamed; the stall is reported at the deadline, unattributed."""
     mon = HangMonitor()
     t = train(mon, {"dp": [0, 1, 2, 3]})
     last = [beat(r, t, 20, **blocked("dp", 20)) for r in (0, 1, 2)]
     last.append(beat(3, t - 0.5, 20, "forward"))
     mon.observe_beats(last, now=t)
-    signals = []
+    signals, first = [], None
     for i in range(1, 60):
+        got = mon.check(t + i)
+        first = first if first is not None or not got else t + i
+        signals += got
+    assert by_kind(signals) == {"unattributed": {0, 1, 2, 3}}
+    assert first - t == pytest.approx(mon.deadline_s(JOB))
+    (sig,) = signals
+    assert sig.severity == "transient" and "whole job went silent" in sig.evidence["reasons"]["3"]
+    assert sig.evidence["waiting"] == {"0": [3], "1": [3], "2": [3]}  # said, never blamed
+
+
+def test_a_crash_named_before_the_job_fell_silent_stays_the_verdict():
+    # gloo: the survivors error out a few seconds after a peer dies.
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]})
+    signals, _ = freeze(mon, {r: blocked("dp", 20) for r in (0, 1, 2)}, t, 5, step=20)
+    for i in range(5, 60):
         signals += mon.check(t + i)
     assert by_kind(signals) == {"crash": {3}}
 
@@ -212,7 +253,7 @@ def test_clock_skew_between_hosts(skew_s):
         states[1] = {"phase": "backward"}
         signals, first = freeze(mon, states, t, 60, step=20, skew=skew, stamp=stamp)
         assert by_kind(signals) == {"hang": {1}}, (stamp, signals)
-        assert 30 <= first - (t - 1) <= 33
+        assert 10 <= first - (t - 1) <= 13
         if not stamp:
             off = mon.offsets(JOB)
             assert off[2] - off[0] == pytest.approx(skew_s, abs=1.0)
@@ -236,7 +277,7 @@ def test_live_beats_are_stamped_with_the_service_clock_at_check():
         if sig:
             assert by_kind(sig) == {"hang": {2}} and first is None
             first = i
-    assert first is not None and 29 <= first <= 31
+    assert first is not None and 9 <= first <= 11
 
 
 def test_skewed_host_culprit_and_no_false_crash_in_replay():
@@ -308,6 +349,9 @@ def test_columns_and_malformed_beats():
         {"beat_window": 0},
         {"offset_steps": 0},
         {"silence_min_s": -1},
+        {"crash_s": 2.0, "crash_margin_s": 2.0},
+        {"crash_margin_s": -0.5},
+        {"crash_beat_factor": 0.5},
         {"silence_beat_factor": 0.9},
         {"evidence_ranks": 0},
     ],
@@ -324,17 +368,15 @@ def test_assembled_steps_are_progress_and_tell_the_world_size():
         mon.observe_frame(frame)
         mon.observe_beats([beat(r, 1000.0 + k, 0, "forward") for r in range(3)], now=1000.0 + k)
         assert mon.check(1000.0 + k) == []
-    assert mon.deadline_s(JOB) == 30.0
+    assert mon.deadline_s(JOB) == 10.0
     signals, first = freeze(mon, {r: blocked("dp", 5) for r in range(3)}, 1040.0, 40, step=40)
     assert by_kind(signals) == {"crash": {3}}  # rank 3 of the world never reported
-    assert first == 1040.0 + 30.0  # the beats' step moved to 40 at 1040: last progress
+    assert first == 1040.0 + 10.0  # the beats' step moved to 40 at 1040: last progress
 
 
-def test_axis_named_groups_are_told_apart_by_coordinates():
-    # Collectors call every data-parallel group "dp". 2x2 grid: dp groups {0,2} and
-    # {1,3}, tp groups {0,1} and {2,3}. {1,3} is stuck inside dp#50 together (a link
-    # fault); {0,2} finished dp#50 and wait in tp#60 for 1 and 3. Nobody is to blame
-    # alone -- lumping both dp groups into one would call 1 and 3 locally stuck.
+def train_on_grid(seq0: int) -> HangMonitor:
+    """20 healthy steps of 4 ranks whose assembled steps give 2x2 (dp, tp) coordinates;
+    every rank finishes "dp" seq ``seq0 + step`` in each."""
     mon = HangMonitor()
     rank = np.arange(4)
     coords = {"dp": rank // 2, "tp": rank % 2, "pp": np.zeros(4, dtype=np.int64)}
@@ -342,8 +384,17 @@ def test_axis_named_groups_are_told_apart_by_coordinates():
         t = 1000.0 + k
         mon.observe_frame(SimpleNamespace(job=JOB, step=k, world=4, t=t, coords=coords, n=4,
                                           rank=rank))  # fmt: skip
-        mon.observe_beats([beat(r, t, k, "collective", "dp", 30 + k, True) for r in range(4)],
+        mon.observe_beats([beat(r, t, k, "collective", "dp", seq0 + k, True) for r in range(4)],
                           now=t)  # fmt: skip
+    return mon
+
+
+def test_axis_named_groups_are_told_apart_by_coordinates():
+    # Collectors call every data-parallel group "dp". 2x2 grid: dp groups {0,2} and
+    # {1,3}, tp groups {0,1} and {2,3}. {1,3} is stuck inside dp#50 together (a link
+    # fault); {0,2} finished dp#50 and wait in tp#60 for 1 and 3. Nobody is to blame
+    # alone -- lumping both dp groups into one would call 1 and 3 locally stuck.
+    mon = train_on_grid(seq0=30)
     states = {
         0: blocked("tp", 60),
         2: blocked("tp", 60),
@@ -359,14 +410,7 @@ def test_axis_named_groups_are_told_apart_by_coordinates():
 def test_coordinates_that_do_not_match_the_real_group_fall_back_to_the_name():
     # Plain data parallel over all 4 ranks ("dp"), but emulated coordinates claim
     # dp groups {0,2} and {1,3}: splitting would leave {0,2} "stuck together".
-    mon = HangMonitor()
-    rank = np.arange(4)
-    coords = {"dp": rank // 2, "tp": rank % 2, "pp": np.zeros(4, dtype=np.int64)}
-    for k in range(20):
-        t = 1000.0 + k
-        mon.observe_frame(SimpleNamespace(job=JOB, step=k, world=4, t=t, coords=coords, n=4,
-                                          rank=rank))  # fmt: skip
-        mon.observe_beats([beat(r, t, k, "collective", "dp", k, True) for r in range(4)], now=t)
+    mon = train_on_grid(seq0=0)
     states = {r: blocked("dp", 20) for r in (0, 1, 2)}
     states[3] = {"phase": "forward", "group": "dp", "seq": 19, "done": True}
     signals, _ = freeze(mon, states, 1020.0, 40, step=20)
@@ -374,27 +418,48 @@ def test_coordinates_that_do_not_match_the_real_group_fall_back_to_the_name():
 
 
 def test_a_trace_that_ends_stalled_is_judged_by_the_end_deadline():
-    """12 s inside a collective with rank 2 never entering it, then the trace ends
-    (a watchdog killed the job): the live deadline (30 s) was never reached, the
-    end-of-trace one (max(5 s, 10 x p99 step)) was."""
+    """8 s inside a collective with rank 2 never entering it, then the trace ends
+    (a watchdog killed the job): the live deadline (max(10 s, 10 x p99 step)) was
+    never reached, the end-of-trace one (max(5 s, 10 x p99 step)) was."""
     mon = HangMonitor()
     t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
     assert mon.end_deadline_s(JOB) == pytest.approx(5.0)
+    assert mon.deadline_s(JOB) == pytest.approx(10.0)
     states = {r: blocked("dp", 20) for r in (0, 1, 3)}
     states[2] = {"phase": "forward"}
-    signals, _ = freeze(mon, states, t, 12, step=20)
+    signals, _ = freeze(mon, states, t, 8, step=20)
     assert signals == []  # live: not yet
-    assert by_kind(mon.check_end(t + 11)) == {"hang": {2}}
+    assert by_kind(mon.check_end(t + 7)) == {"hang": {2}}
+
+
+def test_the_hang_deadline_is_ten_p99_step_times_and_configurable():
+    mon = HangMonitor()
+    t = train(mon, {"dp": [0, 1, 2, 3]}, steps=40, step_s=0.5)
+    slow = t - 0.5 + 2.5  # one slow step: step 40 begins 2.5 s after step 39
+    mon.observe_beats([beat(r, slow, 40, "collective", "dp", 40, True) for r in range(4)], now=slow)
+    assert mon.deadline_s(JOB) == pytest.approx(10 * 2.5)  # the p99, not the median
+    assert HangMonitor(Config(stall_min_s=40.0)).deadline_s(JOB) == 40.0
+    mon = HangMonitor(Config(stall_min_s=6.0))
+    t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
+    states = {r: blocked("dp", 20) for r in (0, 1, 3)}
+    states[2] = {"phase": "forward"}
+    signals, first = freeze(mon, states, t, 20, step=20)
+    assert by_kind(signals) == {"hang": {2}} and first - t == pytest.approx(6.0)
 
 
 def test_a_trace_that_ends_with_one_rank_silent_names_the_crash():
-    mon = HangMonitor()
-    t = train(mon, {"dp": [0, 1, 2, 3]}, step_s=0.5)
     states = {r: blocked("dp", 20) for r in (0, 1, 2)}
     states[3] = {"phase": "forward"}
-    signals, _ = freeze(mon, states, t, 12, step=20, dead=(3,))
-    assert signals == []
-    assert by_kind(mon.check_end(t + 11)) == {"crash": {3}}
+    live = HangMonitor()
+    t = train(live, {"dp": [0, 1, 2, 3]}, step_s=0.5)
+    signals, first = freeze(live, states, t, 12, step=20, dead=(3,))
+    assert by_kind(signals) == {"crash": {3}} and first - (t - 0.5) <= 5.0  # live, early
+    assert live.check_end(t + 11) == []  # the same verdict, said once
+    replay = HangMonitor()
+    t = train(replay, {"dp": [0, 1, 2, 3]}, step_s=0.5, stamp=False)
+    for i in range(12):
+        replay.observe_beats([beat(r, t + i, 20, **states[r]) for r in (0, 1, 2)])
+    assert by_kind(replay.check_end(t + 11)) == {"crash": {3}}
 
 
 def test_a_trace_that_ends_soon_after_its_last_step_is_no_stall():
