@@ -279,13 +279,16 @@ class HangMonitor:
         return sorted(self._jobs)
 
     def check_end(self, now: float, job: str | None = None) -> list[Signal]:
-        """``check`` at the end of a trace: the stall deadline is ``end_deadline_s``."""
-        return self.check(now, job, deadline=self.end_deadline_s)
+        """``check`` at the end of a trace: the stall deadline is ``end_deadline_s``, and
+        no beat is on its way (a rank not closed when the others did has vanished)."""
+        return self.check(now, job, deadline=self.end_deadline_s, end=True)
 
-    def check(self, now: float, job: str | None = None, *, deadline=None) -> list[Signal]:
+    def check(self, now: float, job: str | None = None, *, deadline=None, end: bool = False
+              ) -> list[Signal]:  # fmt: skip
         """Signals for stalled jobs whose verdict is new or changed since the last check.
 
-        ``deadline``: job -> seconds (default ``deadline_s``, the live stall deadline).
+        ``deadline``: job -> seconds (default ``deadline_s``, the live stall deadline);
+        ``end``: the end of the trace (``check_end``).
         """
         deadline_of = deadline or self.deadline_s
         pending, self._unstamped = self._unstamped, []
@@ -299,7 +302,7 @@ class HangMonitor:
             j = self._jobs.get(name)
             if j is None or j.first_arrival is None:
                 continue
-            loc = self._verdict(name, j, now, deadline_of(name))
+            loc = self._verdict(name, j, now, deadline_of(name), end)
             if loc is None:
                 continue
             key = (tuple(loc.hang), tuple(loc.crash), tuple(loc.unattributed))
@@ -315,14 +318,16 @@ class HangMonitor:
             )
         return out
 
-    def _verdict(self, name: str, j: _Job, now: float, deadline: float) -> Localization | None:
+    def _verdict(self, name: str, j: _Job, now: float, deadline: float, end: bool
+                 ) -> Localization | None:  # fmt: skip
         """What to say about one job now: None while it is not stalled; else who hangs,
         who crashed (early: before the deadline), or, for a job fallen wholly silent,
         nobody (``early.py``)."""
         offsets = self.offsets(name)
         now_c = now_corrected(j, now, offsets)
         stalled = now_c - since(j, offsets)
-        if stalled < deadline and not self.ended_abnormally(name, now):
+        ended = self.ended_abnormally(name, now, end)
+        if stalled < deadline and not ended:
             crashed = crashed_early(self.cfg, j, now_c, offsets, stalled)
             if not crashed:
                 if stalled < self.cfg.crash_s - self.cfg.crash_margin_s:
@@ -331,8 +336,8 @@ class HangMonitor:
             loc, _ = self.localize(name, now, silence=lambda rs: crash_limit(self.cfg, rs))
             return Localization(crash=[r for r in loc.crash if r in crashed], waiting=loc.waiting,
                                 reasons=loc.reasons)  # fmt: skip
-        loc, _ = self.localize(name, now)
-        if not self.ended_abnormally(name, now) and job_quiet(self.cfg, j, now_c, offsets):
+        loc, _ = self.localize(name, now, end=end)
+        if not ended and job_quiet(self.cfg, j, now_c, offsets):
             if j.reported and (j.reported[0] or j.reported[1]):
                 return None  # its culprits were named before it fell silent
             return silent_job(j, loc, now_c, offsets)
@@ -360,10 +365,12 @@ class HangMonitor:
             )
         return views
 
-    def ended_abnormally(self, job: str, now: float) -> bool:
+    def ended_abnormally(self, job: str, now: float, end: bool = False) -> bool:
         """Some rank closed (final ``idle`` beat) while inside an unfinished collective,
-        and every other rank closed too or went quiet (silent, or no beat since the
-        first close): the job died hung, no progress can come, no deadline to wait."""
+        and every other rank closed too or went quiet (no beat since the first close,
+        and silent for its crash limit, a close beat may still be on its way; at the
+        ``end`` of a trace none is): the job died hung, no progress can come, no
+        deadline to wait."""
         j = self._jobs[job]
         if j.n_closed == 0:
             return False
@@ -378,18 +385,21 @@ class HangMonitor:
                 continue
             # still running unless it went quiet before the others began to close
             quiet_before = rs.last_arrival - offsets.get(rs.rank, 0.0) < first_close
-            if not quiet_before and silent_s(rs, now_c, offsets) <= self._silence_limit(rs):
+            silence = silent_s(rs, now_c, offsets)
+            gone = quiet_before and (end or silence >= crash_limit(self.cfg, rs))
+            if not gone and silence <= self._silence_limit(rs):
                 return False
         return True
 
-    def localize(self, job: str, now: float, silence=None
+    def localize(self, job: str, now: float, silence=None, end: bool = False
                  ) -> tuple[Localization, dict[int, RankView]]:  # fmt: skip
         """The wait-for verdict for ``job`` as of ``now`` (no stall test, no state change);
-        ``silence``: rank -> seconds after which it counts as stopped (default: silent)."""
+        ``silence``: rank -> seconds after which it counts as stopped (default: silent);
+        ``end``: the end of the trace."""
         j = self._jobs[job]
         offsets = self.offsets(job)
         now_c = now_corrected(j, now, offsets)
-        ended = self.ended_abnormally(job, now)
+        ended = self.ended_abnormally(job, now, end)
         universe = set(j.ranks)
         for members in j.groups.values():
             universe |= members

@@ -126,3 +126,41 @@ def test_live_engine_on_the_wall_clock_names_the_hung_rank(tmp_path):
         time.sleep(0.1)
     assert [(f.kind, f.ranks, f.first_step) for f in found][:1] == [("hang", [1], 30)]
     assert 3.0 <= stalled_at < 8.0  # while the ranks were still beating
+
+
+@pytest.mark.timeout(120)
+def test_serve_clock_names_a_killed_rank_within_5_s_of_its_last_beat(tmp_path):
+    """serve's path for a crash: real ranks stream (the collector's default 1 s beats)
+    into an engine on the event clock (``serve``'s watermark); rank 1's process exits
+    mid-step. The crash is named on rank 1 within ``crash_s`` (5 s) of its last beat,
+    on the wall clock, and nothing is evicted on another rank."""
+    import queue
+    import threading
+    import time
+
+    from rankscope.pipeline.engine.assemble import AssemblerConfig
+
+    q: queue.Queue = queue.Queue()
+    cfg = SimConfig(ranks=4, steps=400, faults=["crash:rank=1,from=30"],
+                    sink="embedded://crash", out_dir=str(tmp_path / "out"), beat_interval_s=1.0,
+                    failure_grace_s=8.0, stop_grace_s=2.0, model=FAST)  # fmt: skip
+    runner = threading.Thread(target=run_simulation, args=(cfg, q.put), daemon=True)
+    runner.start()
+    engine = Engine(EngineConfig(assembler=AssemblerConfig(clock="event")))
+    found, last_beat, done_at = [], {}, None
+    while done_at is None or time.time() < done_at + 8.0:  # serve runs on after the job
+        if done_at is None and not runner.is_alive() and q.empty():
+            done_at = time.time()
+        batch = []
+        while not q.empty():
+            batch.append(q.get_nowait())
+        for rec in batch:
+            if rec.get("type") == "beat":
+                last_beat[rec["rank"]] = max(last_beat.get(rec["rank"], 0.0), rec["t"])
+        for f in engine.feed(batch) if batch else engine.tick():
+            found.append((time.time(), f))
+        time.sleep(0.1)
+    hang = [(at, f) for at, f in found if f.detector == "hang"]
+    assert [(f.kind, f.ranks, f.action) for _, f in hang][:1] == [("crash", [1], "evict")]
+    assert hang[0][0] - last_beat[1] <= 5.0, (hang[0][0] - last_beat[1], hang[0][1].evidence)
+    assert not [f for _, f in found if f.action == "evict" and f.ranks != [1]]

@@ -206,15 +206,18 @@ def test_a_crash_named_before_the_job_fell_silent_stays_the_verdict():
     assert by_kind(signals) == {"crash": {3}}
 
 
-def test_job_that_closed_while_blocked_is_localized_at_once():
+def test_job_that_closed_while_blocked_is_localized_without_a_deadline():
     # gloo: a rank dies without a final beat, the others fail and close (final idle
-    # beat) while still inside the collective: no deadline to wait for.
+    # beat) while still inside the collective: no stall deadline to wait for, only
+    # the crash limit (3 s of silence): a rank not closed yet may have its close beat
+    # on the way (serve's clock on real ranks blamed one whose close came 50 ms later).
     mon = HangMonitor()
     t = train(mon, {"dp": [0, 1, 2, 3]})
     mon.observe_beats([beat(1, t, 20, "backward")], now=t)
     closing = [beat(r, t + 0.3, 20, "idle", "dp", 20, False) for r in (0, 2, 3)]
     mon.observe_beats(closing, now=t + 0.3)
-    signals = mon.check(t + 0.3)
+    assert mon.check(t + 0.3) == []
+    signals = mon.check(t + 3.0)
     assert by_kind(signals) == {"crash": {1}}
     assert signals[0].evidence["step"] == 20
     assert signals[0].evidence["ranks"]["1"]["busy_phase"] == "backward"
