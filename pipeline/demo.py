@@ -54,6 +54,8 @@ class DemoConfig:
     """Job name."""
     poll_s: float = 0.2
     """How often the service loop drains the bus and asks for ready steps."""
+    detector_configs: dict = field(default_factory=dict)
+    """name -> Config for the engine (``--crash-within``/``--hang-within``: the hang's)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
@@ -101,7 +103,8 @@ def run_demo(cfg: DemoConfig, log=print) -> DemoResult:
         except BaseException as exc:  # noqa: BLE001 - reported by the service loop
             outcome["error"] = exc
 
-    engine = Engine(EngineConfig(assembler=AssemblerConfig(clock="wall")))
+    engine = Engine(EngineConfig(assembler=AssemblerConfig(clock="wall")),
+                    detector_configs=cfg.detector_configs)  # fmt: skip
     found: dict[str, Finding] = {}
     kept: list[dict] = []
     bad: list[BadLine] = []

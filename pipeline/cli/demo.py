@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rankscope.pipeline.cli.errors import CliError
+from rankscope.pipeline.cli.verdict_flags import add_verdict_flags, verdict_configs
 
 
 def register(subparsers) -> None:
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="fault spec (repeatable); default: a 1.6x straggler and an sdc-param")
+    add_verdict_flags(p)
     p.set_defaults(func=run)
 
 
@@ -29,7 +31,8 @@ def run(args) -> int:
 
     try:
         cfg = DemoConfig(out_dir=args.out, steps=args.steps,
-                         faults=tuple(args.fault or DEFAULT_FAULTS))  # fmt: skip
+                         faults=tuple(args.fault or DEFAULT_FAULTS),
+                         detector_configs=verdict_configs(args))  # fmt: skip
     except (ValueError, SpecError) as exc:
         raise CliError(str(exc)) from None
     print(f"rankscope demo: {cfg.ranks} ranks on {cfg.ranks // cfg.ranks_per_host} hosts, "

@@ -16,6 +16,10 @@ posts each evict/recover finding (docs/kafka.md: Logs, Metrics, Alerts).
 
 from __future__ import annotations
 
+import functools
+
+from rankscope.pipeline.cli.verdict_flags import add_verdict_flags, verdict_configs
+
 __all__ = ["register", "run"]
 
 
@@ -54,6 +58,7 @@ def register(subparsers) -> None:
         help="flush and exit after S seconds without a message (finite replays)",
     )
     _add_ops(p)
+    add_verdict_flags(p)
     p.set_defaults(func=run)
 
 
@@ -106,7 +111,7 @@ def run(args) -> int:
     from rankscope.collectors.schema.control import load_secret
     from rankscope.pipeline.cli.errors import CliError
     from rankscope.pipeline.serve.logs import configure_logging
-    from rankscope.pipeline.serve.loop import ServeConfig, Service
+    from rankscope.pipeline.serve.loop import ServeConfig, Service, default_engine_factory
     from rankscope.pipeline.serve.observe import log_summary
     from rankscope.pipeline.store import StoreError
 
@@ -140,7 +145,8 @@ def run(args) -> int:
             alerts=_alerts(args),
             **{k: v for k, v in given.items() if v is not None},
         )
-        service = Service(cfg)
+        engines = functools.partial(default_engine_factory, verdict_configs(args))
+        service = Service(cfg, engine_factory=engines)
     except OSError as exc:
         raise CliError(f"serve: {exc}") from None
     except (ValueError, StoreError) as exc:

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
-from rankscope.detectors.registry import DETECTORS, default_configs
+from rankscope.detectors.registry import BEAT_DETECTORS, DETECTORS, default_configs
 from rankscope.detectors.registry import beat_monitor_factory as registered_beat_monitors
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import step_reference_s
@@ -173,7 +173,9 @@ class Engine:
         self.assembler = StepAssembler(self.cfg.assembler)
         self.beat_monitor_factory = beat_monitor_factory
         if beat_monitor_factory is None and self.cfg.hang_monitor:
-            self.beat_monitor_factory = registered_beat_monitors(self.cfg.assembler.clock == "wall")
+            beat_cfg = self.detector_configs.get(BEAT_DETECTORS[0].name)  # None: defaults
+            self.beat_monitor_factory = registered_beat_monitors(
+                self.cfg.assembler.clock == "wall", beat_cfg)  # fmt: skip
         self._final = False  # flush: the monitor checks at the job's latest time
         self._runs: dict[str, _JobRun] = {}
         self._restored: dict[str, dict] = {}

@@ -78,12 +78,14 @@ SERVE_PENDING_STEPS = 256
 """Open steps per job ``serve`` holds while waiting for late ranks (the disorder it absorbs)."""
 
 
-def default_engine_factory():
+def default_engine_factory(detector_configs: dict | None = None):
+    """serve's engine; ``detector_configs``: name -> Config (e.g. the hang monitor's
+    crash and hang deadlines, ``rankscope serve --crash-within/--hang-within``)."""
     from rankscope.pipeline.engine.assemble import AssemblerConfig
     from rankscope.pipeline.engine.engine import Engine, EngineConfig
 
     asm = AssemblerConfig(clock="event", max_pending_steps=SERVE_PENDING_STEPS)
-    return Engine(EngineConfig(assembler=asm))
+    return Engine(EngineConfig(assembler=asm), detector_configs=detector_configs)
 
 
 class Service:

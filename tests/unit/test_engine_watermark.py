@@ -134,7 +134,7 @@ def test_stall_must_be_positive(bad):
         AssemblerConfig(clock="event", stall_s=bad)
 
 
-def _serve_a_job(after_step_19: str, seconds: float, delay: float = 0.3):
+def _serve_a_job(after_step_19: str, seconds: float, delay: float = 0.3, configs=None):
     """A 4-rank job (0.5 s steps, 1 s beats) fed to an event-clock engine as ``serve``
     feeds it: each record ``delay`` wall seconds after its time, a tick every 0.1 s.
     After step 19: ``crash`` (rank 3 stops, 0-2 beat on waiting in dp#20) or ``silent``
@@ -156,7 +156,7 @@ def _serve_a_job(after_step_19: str, seconds: float, delay: float = 0.3):
             t = T0 + 10.0 + i
             recs += [beat(r, t, 20, coll_seq=20, coll_done=False) for r in range(3)]
     recs.sort(key=lambda r: r["t"])
-    eng = Engine(EngineConfig(assembler=AssemblerConfig(clock="event")))
+    eng = Engine(EngineConfig(assembler=AssemblerConfig(clock="event")), detector_configs=configs)
     out, i = [], 0
     for k in range(int((10.0 + seconds) / 0.1)):
         now = T0 + 0.1 * k
@@ -187,3 +187,15 @@ def test_serve_catches_a_job_that_falls_wholly_silent_and_blames_no_rank():
     ]
     assert 10.0 <= hang[0][0] - last <= 12.0  # the deadline: max(10 s, 10 x p99 step)
     assert not [f for _, f in found if f.action in ("evict", "recover")]
+
+
+def test_the_crash_bound_follows_the_serve_flag():
+    from argparse import Namespace
+
+    from rankscope.pipeline.cli.verdict_flags import verdict_configs
+
+    configs = verdict_configs(Namespace(crash_within=8.0, hang_within=None))
+    found, last = _serve_a_job("crash", seconds=20, configs=configs)
+    hang = [(now, f) for now, f in found if f.detector == "hang"]
+    assert [(f.kind, f.ranks) for _, f in hang][:1] == [("crash", [3])]
+    assert 6.0 <= hang[0][0] - last <= 8.0
