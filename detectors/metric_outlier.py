@@ -11,7 +11,13 @@ import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.signal import DetectorOutput, Signal
-from rankscope.detectors.stats.consensus import Z_CAP, group_min, peer_consensus, strict_majority
+from rankscope.detectors.stats.consensus import (
+    Z_CAP,
+    group_min,
+    peer_consensus,
+    readings,
+    strict_majority,
+)
 from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState
 from rankscope.detectors.stats.peers import PeerCache
@@ -74,16 +80,14 @@ def _own_limit(state, cfg, ranks, i) -> tuple[np.ndarray, np.ndarray]:
 def detect(frame: StepFrame, state: MetricOutlierState, cfg: MetricOutlierConfig) -> DetectorOutput:
     """Gradient-norm and loss spikes on one rank against its peers and its own history."""
     out = DetectorOutput()
-    n = frame.n
-    if n == 0:
+    if frame.n == 0:
         return out
     idx = state.peers.get(frame.group)
-    nan = np.full(n, np.nan)
-    x = np.stack([frame.m.get(name, nan) for name in METRICS])
+    x = readings(frame, METRICS)
     # a norm that overflowed although the rank counted no non-finite element holds a
     # finite, huge value: the largest spike there is. Other non-finite values are the
     # nonfinite detector's case and are not scored here.
-    overflow = ~np.isfinite(x[0]) & (frame.m.get("nonfinite", nan) == 0)
+    overflow = ~np.isfinite(x[0]) & (readings(frame, ("nonfinite",))[0] == 0)
     x = np.where(np.isfinite(x), x, np.nan)
     c = peer_consensus(idx, x)
     out.scores = c.scores(METRICS)

@@ -14,7 +14,12 @@ from rankscope.detectors.network.late_arrival import LastArrivalScan, min_count
 from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
 from rankscope.detectors.signal import DetectorOutput, Signal
-from rankscope.detectors.stats.consensus import peer_consensus, step_reference_s, strict_majority
+from rankscope.detectors.stats.consensus import (
+    peer_consensus,
+    readings,
+    step_reference_s,
+    strict_majority,
+)
 from rankscope.detectors.stats.consensus_config import ConsensusConfig
 from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
@@ -162,7 +167,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         return out
     idx = state.peers.get(frame.group)
     nan = np.full(n, np.nan)
-    c = peer_consensus(idx, frame.m.get("comm_s", nan)[None, :])
+    c = peer_consensus(idx, readings(frame, ("comm_s",)))
     out.scores = {"comm_s": c.scores(("comm_s",))["comm_s"]}
     comm, med = c.x[0], c.median[0]
     floor = cfg.min_excess_s
@@ -187,7 +192,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         return out
     floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
     # from here on the step is being analysed: own compute / input / unaccounted times join in
-    x = np.stack([frame.m.get(col, nan) for col in _COLS])
+    x = readings(frame, _COLS)
     x = np.vstack([x, _unaccounted(frame, x, nan)[None, :]])
     c = peer_consensus(idx, x)
     if has_colls:

@@ -15,6 +15,7 @@ from rankscope.detectors.stats.robust import group_stats, robust_z
 __all__ = [
     "Consensus",
     "peer_consensus",
+    "readings",
     "strict_majority",
     "group_min",
     "step_reference_s",
@@ -61,6 +62,12 @@ def peer_consensus(idx: PeerIndex, x: np.ndarray) -> Consensus:
         group_median=stats.median,
         group_scale=stats.scale,
     )
+
+
+def readings(frame: StepFrame, names) -> np.ndarray:
+    """``(len(names), n)`` readings of the step's ranks; NaN where one is not reported."""
+    nan = np.full(frame.n, np.nan)
+    return np.stack([frame.m.get(name, nan) for name in names])
 
 
 def strict_majority(idx: PeerIndex, flagged: np.ndarray, count: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from rankscope.detectors.stats.consensus import (
     Z_CAP,
     group_min,
     peer_consensus,
+    readings,
     step_reference_s,
     strict_majority,
 )
@@ -87,8 +88,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     if n == 0:
         return out
     idx = state.peers.get(frame.group)
-    nan = np.full(n, np.nan)
-    x = np.stack([frame.m.get(name, nan) for name in cfg.metrics])
+    x = readings(frame, cfg.metrics)
     c = peer_consensus(idx, x)
     out.scores = c.scores(cfg.metrics)
     floor = cfg.min_excess_s

@@ -224,12 +224,18 @@ def test_stuck_device_rank_whose_peers_finished(tmp_path):
     assert v == {"hang": [1]}
 
 
-def test_missing_dump_rank_is_suspect(tmp_path):
+def waiting_for(culprit: int) -> Job:
+    """4 ranks finished group 1's seq 50; all but ``culprit`` entered seq 51."""
     job = Job(4, {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]})
     for r in range(4):
         job.finished(r, "1", 50)
-        if r != 2:
+        if r != culprit:
             job.issue(r, "1", 51)
+    return job
+
+
+def test_missing_dump_rank_is_suspect(tmp_path):
+    job = waiting_for(2)
     report, v = verdict(job.write(tmp_path / "d", skip=(2,)), tmp_path)
     assert report.missing == [2] and report.world == 4
     assert any("no usable dump for ranks 2" in line for line in report.lines())
@@ -237,11 +243,7 @@ def test_missing_dump_rank_is_suspect(tmp_path):
 
 
 def test_truncated_and_foreign_files_are_reported_and_the_rest_used(tmp_path):
-    job = Job(4, {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]})
-    for r in range(4):
-        job.finished(r, "1", 50)
-        if r != 1:
-            job.issue(r, "1", 51)
+    job = waiting_for(1)
     d = job.write(tmp_path / "d")
     data = (d / "_dump_3").read_bytes()
     (d / "_dump_3").write_bytes(data[: len(data) // 2])
