@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["StepFrame", "METRIC_COLUMNS", "COORD_NAMES"]
+__all__ = ["StepFrame", "METRIC_COLUMNS", "COORD_NAMES", "NAMED_BITS"]
 
 # Numeric columns of ``StepFrame.m`` (float64, NaN when a rank did not report it).
 METRIC_COLUMNS = (
@@ -32,7 +32,12 @@ METRIC_COLUMNS = (
     "shard",
     # 1.0 where the loop skipped the step's optimizer update (GradScaler found inf/NaN)
     "skipped",
+    # not a reading: which columns the row's record named non-finite in
+    # ``nonfinite_fields`` (bits: NAMED_BITS); there a NaN is a value, not a gap
+    "nonfinite_named",
 )
+NAMED_BITS = {"loss": 1, "grad_norm": 2, "grad_norm_reduced": 4}
+"""Columns a record may name non-finite (``nonfinite_fields``): their bit in ``nonfinite_named``."""
 # Parallel coordinates; peers share every one of them except ``dp``.
 COORD_NAMES = ("dp", "tp", "pp", "cp", "ep")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import num
-from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.frame import NAMED_BITS, StepFrame
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.persistence import usable_ranks
 
@@ -37,10 +37,11 @@ class NonfiniteConfig:
 class NonfiniteState:
     """Whether an incident is open, and which ranks report which columns at all.
 
-    JSON has no NaN, so a non-finite norm usually arrives as null, which the
-    frame also uses for "not reported". A NaN counts as a non-finite reading
-    only for a rank that has reported a finite value in that column before
-    (per rank: with pipeline parallelism only the last stage may report loss).
+    JSON has no NaN, so a non-finite norm often arrives as null, which the frame
+    also uses for "not reported". A NaN counts as a non-finite reading where the
+    record named it so (``nonfinite_fields``, frame column ``nonfinite_named``), or
+    for a rank that has reported a finite value in that column before (per rank:
+    with pipeline parallelism only the last stage may report loss).
     """
 
     __slots__ = ("open", "quiet", "origin_step", "seen", "skips")
@@ -81,7 +82,8 @@ _COLUMNS = ("grad_norm", "grad_norm_reduced", "loss")
 
 
 def _nonfinite(frame: StepFrame, state: NonfiniteState, col: str) -> np.ndarray:
-    """Rows whose ``col`` is inf, or NaN on a rank that has reported the column before."""
+    """Rows whose ``col`` is inf, or NaN named non-finite by the record or on a rank
+    that has reported the column before (a bare null from another writer)."""
     x = frame.m.get(col)
     if x is None or frame.n == 0:
         return np.zeros(frame.n, dtype=bool)
@@ -99,7 +101,16 @@ def _nonfinite(frame: StepFrame, state: NonfiniteState, col: str) -> np.ndarray:
         return np.zeros(frame.n, dtype=bool)
     was_seen = seen[ranks] & ok
     seen[ranks[finite & ok]] = True
-    return np.isinf(x) | (np.isnan(x) & was_seen)
+    return np.isinf(x) | (np.isnan(x) & (was_seen | _named(frame, col)))
+
+
+def _named(frame: StepFrame, col: str) -> np.ndarray:
+    """Rows whose record named ``col`` non-finite (``nonfinite_fields``): a NaN there
+    is a reading, not a gap, on any rank (seen before or not)."""
+    mask = frame.m.get("nonfinite_named")
+    if mask is None:
+        return np.zeros(frame.n, dtype=bool)
+    return (np.nan_to_num(mask, nan=0.0).astype(np.int64) & NAMED_BITS[col]) > 0
 
 
 def _handled(frame: StepFrame) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from rankscope.detectors.frame import COORD_NAMES, METRIC_COLUMNS, StepFrame
+from rankscope.pipeline.engine.nonfinite_named import apply_named
 from rankscope.pipeline.traces.validate import DEFAULT_LIMITS, Limits, array_rejects
 
 __all__ = [
@@ -75,7 +76,7 @@ def chunk_from_records(recs: list[dict]) -> dict[str, np.ndarray]:
     the rest are filled whole.
     """
     n = len(recs)
-    present = set().union(*recs)
+    present = set().union(*recs) - {"nonfinite_named"}  # derived below, never read
     ch: dict[str, np.ndarray] = {
         "rank": np.fromiter(map(itemgetter("rank"), recs), np.int64, n),
         "world": np.fromiter(map(itemgetter("world"), recs), np.int64, n),
@@ -102,6 +103,8 @@ def chunk_from_records(recs: list[dict]) -> dict[str, np.ndarray]:
             ch[m] = np.full(n, np.nan)
     if "collectives" in present:
         ch["collectives"] = _object_array(list(map(dict.get, recs, repeat("collectives"))))
+    if "nonfinite_fields" in present:
+        apply_named(ch, list(map(dict.get, recs, repeat("nonfinite_fields"))))
     return ch
 
 
@@ -123,10 +126,12 @@ def chunk_from_columns(cols: dict[str, list], n: int) -> dict[str, np.ndarray]:
         v = cols.get(c)
         ch[c] = np.array(v, dtype=np.int64) if v is not None else np.full(n, -1, dtype=np.int64)
     for m in METRIC_COLUMNS:
-        v = cols.get(m)
+        v = cols.get(m) if m != "nonfinite_named" else None  # derived below, never read
         ch[m] = np.array(v, dtype=np.float64) if v is not None else np.full(n, np.nan)
     if "collectives" in cols:
         ch["collectives"] = _object_array(cols["collectives"])
+    if "nonfinite_fields" in cols:
+        apply_named(ch, cols["nonfinite_fields"])
     return ch
 
 
@@ -235,12 +240,15 @@ def split_step_table(table, world_cap: int | None = None, cache: dict | None = N
     for m in METRIC_COLUMNS:
         if m == "t":
             continue
-        ch[m] = _floats(table.column(m)) if m in names else np.full(n, np.nan)
+        read = m in names and m != "nonfinite_named"  # derived below, never read
+        ch[m] = _floats(table.column(m)) if read else np.full(n, np.nan)
     ch["param_digest"] = (
         _strings(table.column("param_digest"))[0] if "param_digest" in names else None
     )
     if "collectives" in names and table.column("collectives").null_count < n:
         ch["collectives"] = _object_array(table.column("collectives").to_pylist())
+    if "nonfinite_fields" in names and table.column("nonfinite_fields").null_count < n:
+        apply_named(ch, table.column("nonfinite_fields").to_pylist())
 
     keep = np.flatnonzero(valid)
     if keep.size < n:

@@ -110,7 +110,7 @@ def clean_mask(frame: StepFrame, signals: list[Signal]) -> np.ndarray:
         frame.n, dtype=bool
     )
     for name, col in frame.m.items():
-        if name in ("t", "dropped"):
+        if name in ("t", "dropped", "nonfinite_named"):
             continue
         fin = np.isfinite(col)
         if fin.any():
