@@ -25,6 +25,7 @@ from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
+from rankscope.detectors.straggler.lead import lead_hits
 from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel
 from rankscope.detectors.straggler.window import window_hits, window_signal
@@ -45,6 +46,10 @@ class StragglerConfig(ConsensusConfig):
     history_k_sigma: float = 4.0  # or this many robust sigmas above its own median
     window_metric: str = "compute_s"  # "" turns the windowed test off (straggler/window.py)
     per_token: bool = True  # expect compute from tokens when every rank reports them
+    lead_steps: int = 2  # the fast rule (straggler/lead.py): steps in a row; 0 turns it off
+    lead_ratio: float = 1.4  # compute at least this multiple of the group median...
+    lead_over_peers: float = 1.25  # ...and of every other member's
+    lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -56,6 +61,10 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("min_ratio and history_ratio must be >= 1")
         if self.history_k_sigma < 0:
             raise ValueError("history_k_sigma must be >= 0")
+        if self.lead_steps < 0 or self.lead_ratio < 1.0 or self.lead_over_peers < 1.0:
+            raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
+        if not 0.0 <= self.lead_wait_frac <= 1.0:
+            raise ValueError("lead_wait_frac must be in [0, 1]")
         if self.window_metric and self.window_metric not in self.metrics:
             raise ValueError("window_metric must be one of metrics (or empty)")
 
@@ -63,8 +72,9 @@ class StragglerConfig(ConsensusConfig):
 class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
-    __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
-    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens")
+    __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
+                 "lead")  # fmt: skip
+    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead")
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -74,6 +84,7 @@ class StragglerState(PartsState):
         self.pair_rate = FlagRate(cfg.history_steps)
         self.window = make_window(cfg)
         self.tokens = TokenModel()
+        self.lead = StreakCounter()  # steps in a row a rank led its group (straggler/lead.py)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
@@ -135,15 +146,21 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             s = (x[i, rows] > limit) & (x[i, rows] - hmed > floor)
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
+    lead = _leading(frame, idx, c, state, cfg)
+    if lead.any():
+        hit[cfg.metrics.index(cfg.window_metric), lead] = True
     dev = hit.any(axis=0)
     if dev.any() or state.streaks.open():  # else nothing to advance or reset
         strong = _strong(hit, win, cfg)
         confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
+        fast = lead & ~confirmed  # the fast rule needs no chance-rate streak
+        confirmed = confirmed | lead
         if win is not None and confirmed.any():  # the window holds it from now on
             state.window.hold(frame.rank[confirmed])
         for row in np.flatnonzero(confirmed):
             out.signals.append(
-                _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]), win)
+                _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]), win,
+                        bool(fast[row]))  # fmt: skip
             )
     else:
         state.streaks.idle(n)
@@ -187,6 +204,17 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     return out
 
 
+def _leading(frame, idx, c, state, cfg) -> np.ndarray:
+    """Rows the fast rule names this step: a lead for ``lead_steps`` steps in a row."""
+    n = frame.n
+    if not (cfg.lead_steps and cfg.window_metric):
+        return np.zeros(n, dtype=bool)
+    lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
+    if not (lead.any() or state.lead.count.any()):
+        return lead
+    return lead & (state.lead.update(frame.rank, lead) >= cfg.lead_steps)
+
+
 def _strong(hit, win, cfg) -> np.ndarray:
     """Per metric and row: a slow step far out on a calibrated scale.
 
@@ -209,7 +237,7 @@ def _expected(win, row: int, value: float, ratio: float) -> dict:
     return {"rule": "step_expected", "per_token": win.per_token, "expected_s": num(value / ratio)}
 
 
-def _signal(frame, idx, c, hit, row, state, cfg, streak, win) -> Signal:
+def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Signal:
     """Signal for one confirmed slow row, on its most deviating metric."""
     ratio = np.where(hit[:, row], c.x[:, row] / c.median[:, row], -np.inf)
     tokens = win is not None and bool(win.step_hit[row])
@@ -247,6 +275,7 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak, win) -> Signal:
             ratio=num(rel),
             slow_metrics=[cfg.metrics[j] for j in np.flatnonzero(hit[:, row])],
             streak_steps=streak,
+            **({"rule": "lead"} if lead else {}),
             **(_expected(win, row, value, rel) if by_tokens else {}),
             **({"gpu": gpu} if gpu else {}),
         ),

@@ -263,9 +263,11 @@ def test_noisy_job_finds_125x_straggler_with_the_window():
     hits = blamed(outs)
     assert {r for _, r in hits} == {5}
     assert 30 <= min(i for i, _ in hits) <= 62  # about 30 steps: 1.25x is inside 1 sigma
-    sig = next(s for o in outs for s in o.signals)
+    # the window names it; the fast lead rule (straggler/lead.py) may name it first when
+    # the noise lines up for two steps, on the same rank
+    sig = next(s for o in outs for s in o.signals if s.evidence.get("rule") == "window")
     ev = sig.evidence
-    assert ev["rule"] == "window" and ev["ratio"] > 1.1 and 30 - 32 < ev["onset_step"] <= 62
+    assert ev["ratio"] > 1.1 and 30 - 32 < ev["onset_step"] <= 62
 
 
 def test_noisy_clean_job_names_nobody():

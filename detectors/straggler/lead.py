@@ -1,0 +1,54 @@
+"""The fast straggler rule: a large lead over every peer that the peers' waits confirm.
+
+The streak rules wait until chance streaks are unlikely, which on a noisy host
+takes several steps. A rank whose compute is well above its group's median AND
+above every other member's, for ``lead_steps`` steps in a row, while its peers
+spent that excess waiting in collectives (their ``comm_s`` over its own), is
+slow beyond what noise on a shared host gives: it is reported at once (the
+incident starts as ``observe`` and the policy escalates it as it lasts). When
+every rank reports ``tokens``, a long batch's share of compute is allowed for.
+Design notes: docs/detectors.md, "detectors/straggler/lead.py".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.stats.consensus import Consensus, peer_consensus, step_reference_s
+from rankscope.detectors.stats.peers import PeerIndex
+
+__all__ = ["lead_hits"]
+
+
+def _second_largest(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
+    """Per row: the largest value among the OTHER members of its group (NaN: none)."""
+    mat = idx.matrix(np.where(np.isfinite(x), x, -np.inf), fill=-np.inf)
+    top2 = np.sort(mat, axis=-1)[..., -2:] if mat.shape[-1] >= 2 else None
+    if top2 is None:
+        return np.full(x.shape, np.nan)
+    first, second = idx.rows(top2[..., 1]), idx.rows(top2[..., 0])
+    other = np.where(x >= first, second, first)  # the row itself is the max: the runner-up
+    return np.where(np.isfinite(other), other, np.nan)
+
+
+def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np.ndarray:
+    """Rows whose metric ``i`` (compute) leads its group this step (see the module)."""
+    x, med = c.x[i], c.median[i]
+    with np.errstate(invalid="ignore"):
+        lead = (c.count[i] >= 3) & (x >= cfg.lead_ratio * med)
+        if not lead.any():
+            return lead
+        tokens = frame.m.get("tokens")
+        expected = med
+        if tokens is not None and np.isfinite(tokens).all() and (tokens > 0).all():
+            tok_med = peer_consensus(idx, tokens).median[0]
+            expected = med * np.maximum(1.0, tokens / tok_med)  # a long batch takes longer
+        floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+        lead &= (x >= cfg.lead_ratio * expected) & (x - expected > floor)
+        lead &= x >= cfg.lead_over_peers * _second_largest(idx, x)
+        comm = frame.m.get("comm_s")
+        if not lead.any() or comm is None or not np.isfinite(comm).any():
+            return lead & False  # nothing leads, or no waits to confirm it
+        peer_comm = peer_consensus(idx, comm).median[0]
+        lead &= peer_comm - comm >= cfg.lead_wait_frac * (x - med)
+    return lead
