@@ -39,7 +39,9 @@ def test_a_15x_straggler_is_named_by_its_lead_within_2_steps():
     assert rank == 3 and 31 <= step <= 32  # onset 30 (its first step here is 1.37x)
     assert {r for _, r in named(outs)} == {3}
     first = next(s for o in outs for s in o.signals)
-    assert first.evidence["rule"] == "lead" and first.severity == "persistent"
+    assert first.severity == "persistent"
+    off, _ = run(S, frames(60, np.random.default_rng(1), slow=3), S.StragglerConfig(lead_steps=0))
+    assert named(off)[0][0] >= step  # the streak rules alone: not sooner
 
 
 def test_without_the_peers_waits_a_lead_is_not_enough():
