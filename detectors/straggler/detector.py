@@ -26,6 +26,7 @@ from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.lead import lead_hits
+from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel
 from rankscope.detectors.straggler.window import window_hits, window_signal
@@ -154,7 +155,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         strong = _strong(hit, win, cfg)
         confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
         fast = lead & ~confirmed  # the fast rule needs no chance-rate streak
-        confirmed = confirmed | lead
+        confirmed = (confirmed | lead) & ~_sped_up(frame, idx, c, state, cfg, confirmed | lead)
         if win is not None and confirmed.any():  # the window holds it from now on
             state.window.hold(frame.rank[confirmed])
         for row in np.flatnonzero(confirmed):
@@ -166,7 +167,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         state.streaks.idle(n)
     if win is not None:
         said = {s.ranks[0] for s in out.signals}
-        for row in np.flatnonzero(win.hit):
+        sped = _sped_up(frame, idx, c, state, cfg, win.hit)
+        for row in np.flatnonzero(win.hit & ~sped):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     pair_any = pair.any(axis=0)
@@ -213,6 +215,13 @@ def _leading(frame, idx, c, state, cfg) -> np.ndarray:
     if not (lead.any() or state.lead.count.any()):
         return lead
     return lead & (state.lead.update(frame.rank, lead) >= cfg.lead_steps)
+
+
+def _sped_up(frame, idx, c, state, cfg, rows: np.ndarray) -> np.ndarray:
+    """Of ``rows``, those whose lead on the windowed metric is their peers' speed-up."""
+    if not (rows.any() and cfg.window_metric):
+        return np.zeros(frame.n, dtype=bool)
+    return rows & peers_sped_up(frame, idx, c, state, cfg.metrics.index(cfg.window_metric), cfg)
 
 
 def _strong(hit, win, cfg) -> np.ndarray:
@@ -275,8 +284,8 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Sig
             ratio=num(rel),
             slow_metrics=[cfg.metrics[j] for j in np.flatnonzero(hit[:, row])],
             streak_steps=streak,
-            **({"rule": "lead"} if lead else {}),
-            **(_expected(win, row, value, rel) if by_tokens else {}),
+            **{**(_expected(win, row, value, rel) if by_tokens else {}),
+               **({"rule": "lead"} if lead else {})},
             **({"gpu": gpu} if gpu else {}),
         ),
     )
