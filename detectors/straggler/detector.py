@@ -48,9 +48,10 @@ class StragglerConfig(ConsensusConfig):
     window_metric: str = "compute_s"  # "" turns the windowed test off (straggler/window.py)
     per_token: bool = True  # expect compute from tokens when every rank reports them
     lead_steps: int = 2  # the fast rule (straggler/lead.py): steps in a row; 0 turns it off
-    lead_ratio: float = 1.4  # compute at least this multiple of the group median...
+    lead_ratio: float = 1.3  # compute at least this multiple of the group median...
     lead_over_peers: float = 1.25  # ...and of every other member's
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
+    lead_step_frac: float = 0.2  # and its excess at least this share of the job's step time
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -64,8 +65,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("history_k_sigma must be >= 0")
         if self.lead_steps < 0 or self.lead_ratio < 1.0 or self.lead_over_peers < 1.0:
             raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
-        if not 0.0 <= self.lead_wait_frac <= 1.0:
-            raise ValueError("lead_wait_frac must be in [0, 1]")
+        if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
+            raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if self.window_metric and self.window_metric not in self.metrics:
             raise ValueError("window_metric must be one of metrics (or empty)")
 

@@ -7,6 +7,7 @@ spent that excess waiting in collectives (their ``comm_s`` over its own), is
 slow beyond what noise on a shared host gives: it is reported at once (the
 incident starts as ``observe`` and the policy escalates it as it lasts). When
 every rank reports ``tokens``, a long batch's share of compute is allowed for.
+The excess must also be ``lead_step_frac`` of the step: the job pays for it.
 Design notes: docs/detectors.md, "detectors/straggler/lead.py".
 """
 
@@ -43,7 +44,9 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np
         if tokens is not None and np.isfinite(tokens).all() and (tokens > 0).all():
             tok_med = peer_consensus(idx, tokens).median[0]
             expected = med * np.maximum(1.0, tokens / tok_med)  # a long batch takes longer
-        floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+        # an excess that costs the whole job a share of its step (noise in a short
+        # compute next to long waits is large relative to the compute, not to the step)
+        floor = max(cfg.min_excess_s, cfg.lead_step_frac * step_reference_s(frame))
         lead &= (x >= cfg.lead_ratio * expected) & (x - expected > floor)
         lead &= x >= cfg.lead_over_peers * _second_largest(idx, x)
         comm = frame.m.get("comm_s")

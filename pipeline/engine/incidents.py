@@ -102,6 +102,11 @@ def _onset(sig: Signal, step: int) -> int:
     return step
 
 
+CLOSED_KEPT_STEPS = 64
+"""A closed incident is kept this many steps: a later signal whose onset (streak or
+window) falls inside it reopens it instead of opening a second finding."""
+
+
 class IncidentTracker:
     """Open and closed incidents of one job; ``update`` returns the findings it changed."""
 
@@ -121,11 +126,12 @@ class IncidentTracker:
         self.job_hosts = job_hosts  # every host of the job (the one-host evict note)
         self._open: list[_Incident] = []
         self._degraded: dict[tuple, _Incident] = {}  # (kind, ranks) -> quiet degraded incident
+        self._closed: dict[tuple, _Incident] = {}  # (kind, ranks) -> last closed reported one
         self.pace = JobPace()
         self.findings: dict[str, Finding] = {}
         self.host_sdc: Counter = Counter()
 
-    def _match(self, sig: Signal) -> _Incident | None:
+    def _match(self, sig: Signal, step: int) -> _Incident | None:
         ranks = set(int(r) for r in sig.ranks)
         overlap = None
         for inc in self._open:
@@ -142,6 +148,11 @@ class IncidentTracker:
                 del self._degraded[(sig.kind, tuple(sorted(ranks)))]
                 self._open.append(dormant)  # the same mild slowness again: the same finding
                 return dormant
+            closed = self._closed.get((sig.kind, tuple(sorted(ranks))))
+            if closed is not None and _onset(sig, step) <= closed.last_step + self.merge_gap_steps:
+                del self._closed[(sig.kind, tuple(sorted(ranks)))]  # its onset says it never
+                self._open.append(closed)  # ended: one incident, one finding
+                return closed
         return overlap
 
     def update(
@@ -161,7 +172,7 @@ class IncidentTracker:
         for sig in ordered:
             if not sig.ranks:
                 continue
-            inc = self._match(sig)
+            inc = self._match(sig, step)
             if inc is None:
                 inc = _Incident(self.job, sig, step)
                 self._open.append(inc)
@@ -180,8 +191,16 @@ class IncidentTracker:
                 still.append(inc)
             elif inc.reported and self._is_degraded(inc):
                 self._degraded[(inc.kind, tuple(sorted(inc.ranks)))] = inc
+            elif inc.reported and not inc.unattributed:
+                old = self._closed.pop((inc.kind, tuple(sorted(inc.ranks))), None)
+                if old is not None:
+                    self.pace.forget(old.fid)
+                self._closed[(inc.kind, tuple(sorted(inc.ranks)))] = inc
             else:
                 self.pace.forget(inc.fid)
+        for key, inc in list(self._closed.items()):  # a later signal can only reopen
+            if step - inc.last_step > CLOSED_KEPT_STEPS:  # what closed recently
+                self.pace.forget(self._closed.pop(key).fid)
         self._open = still
         return out
 
@@ -286,11 +305,13 @@ class IncidentTracker:
         return len(self._open)
 
     def state_dict(self) -> dict:
-        """Open and kept degraded incidents, host SDC counts (findings live in the store)."""
+        """Open, kept degraded and recently closed incidents, host SDC counts (findings
+        live in the store)."""
         return {
             "host_sdc": dict(self.host_sdc),
             "open": [_inc_dict(i) for i in self._open],
             "degraded": [_inc_dict(i) for i in self._degraded.values()],
+            "closed": [_inc_dict(i) for i in self._closed.values()],
             "pace": self.pace.state_dict(),
         }
 
@@ -299,6 +320,8 @@ class IncidentTracker:
         self._open = [_inc_load(self.job, s) for s in d.get("open", [])]
         kept = [_inc_load(self.job, s) for s in d.get("degraded", [])]
         self._degraded = {(i.kind, tuple(sorted(i.ranks))): i for i in kept}
+        closed = [_inc_load(self.job, s) for s in d.get("closed", [])]
+        self._closed = {(i.kind, tuple(sorted(i.ranks))): i for i in closed}
         self.pace = JobPace()
         self.pace.load_state_dict(d.get("pace", {}))
 
