@@ -7,7 +7,9 @@ spent that excess waiting in collectives (their ``comm_s`` over its own), is
 slow beyond what noise on a shared host gives: it is reported at once (the
 incident starts as ``observe`` and the policy escalates it as it lasts). When
 every rank reports ``tokens``, a long batch's share of compute is allowed for.
-The excess must also be ``lead_step_frac`` of the step: the job pays for it.
+The excess must also be ``lead_step_frac`` of the step: the job pays for it. A
+rank whose GPU reports a thermal or power throttle is left to the GPU detector,
+as in the windowed test.
 Design notes: docs/detectors.md, "detectors/straggler/lead.py".
 """
 
@@ -15,6 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.gpu.readings import (
+    POWER_EVENTS,
+    THERMAL_EVENTS,
+    any_event,
+    clock_events,
+    has_gpu,
+)
 from rankscope.detectors.stats.consensus import Consensus, peer_consensus, step_reference_s
 from rankscope.detectors.stats.peers import PeerIndex
 
@@ -54,4 +63,6 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np
             return lead & False  # nothing leads, or no waits to confirm it
         peer_comm = peer_consensus(idx, comm).median[0]
         lead &= peer_comm - comm >= cfg.lead_wait_frac * (x - med)
+    if lead.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
+        lead &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
     return lead
