@@ -17,17 +17,14 @@ import time
 from typing import Any
 
 import torch
-from rankscope.collectors.rank.amp import ScalerPatch
 from rankscope.collectors.rank.beat import BeatThread
-from rankscope.collectors.rank.clip_patch import ClipPatch
 from rankscope.collectors.rank.config import CollectorConfig
 from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook
+from rankscope.collectors.rank.device_timing import DeviceTiming, TimingStats, make_device_timing
 from rankscope.collectors.rank.digest_worker import make_digester
-from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
 from rankscope.collectors.rank.faults import Faults
-from rankscope.collectors.rank.fsdp import ReduceScatterTap
-from rankscope.collectors.rank.funcol_wrap import FuncolPatch
 from rankscope.collectors.rank.grad_fallback import fallback_grad_stats
+from rankscope.collectors.rank.patches import Patches, build_patches
 from rankscope.collectors.rank.self_time import SelfTime
 from rankscope.collectors.rank.step_boundary import Guarded, count_tokens, pending_record
 from rankscope.collectors.rank.step_record import build_step_record
@@ -68,8 +65,8 @@ class RankCollector:
         self._self_time = SelfTime()
         self._handles: list[Any] = []
         self._hook_ctx: HookContext | None = None
-        self._patches: list[Any] = []  # DistPatch, FuncolPatch, ClipPatch, ScalerPatch
-        self._funcol_patch: FuncolPatch | None = None
+        self._patches = Patches()  # what is patched into torch (patches.py)
+        self._timing: DeviceTiming | None = make_device_timing(config, params)  # on CUDA
         self._beat: BeatThread | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._digester: Any = None  # digest_worker.DigestWorker or InlineDigest
@@ -192,7 +189,7 @@ class RankCollector:
                     "RankCollector.attach: could not register the DDP communication hook "
                     f"({exc}); DDP allows one hook: pass yours as comm_hook= instead"
                 ) from None
-            ctx.self_time = self._self_time
+            ctx.self_time, ctx.timing = self._self_time, self._timing
             self._hook_ctx = ctx
         if self.config.digest_every_steps and (self._shape is None or self._shape.digest):
             self._digester = make_digester(
@@ -204,29 +201,10 @@ class RankCollector:
             self._optimizer = optimizer
             self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
-            scaler = ScalerPatch(
-                optimizer,
-                threading.get_ident(),
-                on_scale=lambda scale: setattr(st, "loss_scale", scale),
-                on_skipped=self._on_skipped_step,
-                steps_seen=lambda: self._boundaries,
-                faults=self._faults,
-            )
-            self._patches.append(scaler)
-        groups = {id(g): name for name, g in self.identity.groups.items()}
-        label = lambda g: group_label(g, groups)  # noqa: E731
-        me = threading.get_ident()
-        taps = {}
-        if self._shape is not None and self._shape.fsdp is not None:
-            taps["reduce_scatter_single"] = ReduceScatterTap(
-                st, self._shape.fsdp.shard, self._faults, self._self_time
-            )
-        self._patches.append(DistPatch(st, label, me, taps=taps, faults=self._faults))
-        if self._shape is not None and self._shape.dtensor:
-            self._funcol_patch = FuncolPatch(st, label, me, self._faults)
-            self._patches.append(self._funcol_patch)
-        self._patches.append(ClipPatch(st, self._params, me))
-        for patch in self._patches:
+        self._patches = build_patches(
+            self, optimizer, self._on_skipped_step, lambda: self._boundaries
+        )
+        for patch in self._patches.all:
             patch.install()
         st.step_start_perf = time.perf_counter()
         st.phase = "data"
@@ -253,6 +231,11 @@ class RankCollector:
         """A snapshot of what the collector's own code has cost the training thread
         (cumulative seconds by part, ``collectors/rank/self_time.py``)."""
         return self._self_time.copy()
+
+    @property
+    def device_timing(self) -> TimingStats | None:
+        """What became of the steps' CUDA timing events (None: CPU times only)."""
+        return None if self._timing is None else self._timing.stats
 
     @property
     def faults(self) -> dict[str, int]:
@@ -318,7 +301,7 @@ class RankCollector:
             self._handles.clear()
             if self._hook_ctx is not None:
                 self._hook_ctx.active = False
-            for patch in self._patches:
+            for patch in self._patches.all:
                 patch.uninstall()
             if self._beat is not None:
                 self._beat.stop()
@@ -353,6 +336,8 @@ class RankCollector:
                 self._join_digest()  # rc.step() loops: the optimizer runs after backward
             if st.first_forward_perf is None:
                 st.first_forward_perf = time.perf_counter()
+                if self._timing is not None:
+                    self._timing.step_begin()
             if not self._tokens_reported:
                 count_tokens(st, args)
             st.phase = "forward"
@@ -474,11 +459,12 @@ class RankCollector:
                 lr = self._optimizer.param_groups[0].get("lr")
         except Exception as exc:
             self._faults.hit("lr", exc)
-        if self._funcol_patch is not None:
-            self._funcol_patch.step_done()
+        self._patches.step_done()
         if self._pending is not None:  # the previous step never got its loss
             self._emit_pending()
         self._pending = pending_record(st, digest=digest, lr=lr, skipped=skipped)
+        if self._timing is not None:
+            self._pending["device"] = (self._timing, self._timing.step_end())
         self._boundaries += 1
         self._tokens_reported = False
         had_loss = st.loss is not None

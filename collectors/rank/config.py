@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["CollectorConfig"]
 
@@ -41,6 +43,19 @@ class CollectorConfig:
     steps, which the worker cannot notice, set False."""
     ddp_group_name: str = "dp"
     """Group name written for the DDP gradient all-reduce collectives."""
+    device_timing: bool | None = None
+    """Time ``compute_s``/``comm_s`` on the device with CUDA events (docs/collectors.md,
+    Device timing). None (default): when a parameter lives on a CUDA device."""
+    device_timing_wait_s: float = 2.0
+    """How long after its step ends the sender waits for the step's events; a step
+    whose events are still incomplete then keeps its CPU times (counted)."""
+    device_timing_max_pending: int = 64
+    """Steps whose events may be in flight at once; past that a step keeps its CPU
+    times (counted as dropped), so memory stays bounded when the device falls behind."""
+    device_events: Callable[[], Any] | None = None
+    """Factory of timing events (default ``torch.cuda.Event(enable_timing=True)``).
+    Given, device timing is on whatever the parameters' device: tests put scripted
+    events here."""
 
     def __post_init__(self) -> None:
         if not self.beat_interval_s > 0:
@@ -57,5 +72,15 @@ class CollectorConfig:
             raise ValueError(f"close_timeout_s must be >= 0, got {self.close_timeout_s!r}")
         if self.digest_every_steps < 0:
             raise ValueError(f"digest_every_steps must be >= 0, got {self.digest_every_steps!r}")
+        if not self.device_timing_wait_s >= 0:
+            raise ValueError(
+                f"device_timing_wait_s must be >= 0, got {self.device_timing_wait_s!r}"
+            )
+        if self.device_timing_max_pending < 1:
+            raise ValueError(
+                f"device_timing_max_pending must be >= 1, got {self.device_timing_max_pending!r}"
+            )
+        if self.device_events is not None and not callable(self.device_events):
+            raise ValueError("device_events must be a callable returning an event")
         if not self.ddp_group_name:
             raise ValueError("ddp_group_name must be a non-empty string")

@@ -21,7 +21,9 @@ Timing: the hook's own duration on the calling thread counts as ``comm_s``
 bucket is launched backward has nothing left to compute and DDP's
 finalization waits for the outstanding reductions; that wait, from the last
 launch returning to the last reduction completing, counts as ``comm_s`` too
-(``StepState.backward_wait_s``).
+(``StepState.backward_wait_s``). On CUDA the same tail is also timed on the
+device, from an event at each launch to one in each completion callback
+(``device_timing.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class HookContext:
         "process_group",
         "active",
         "self_time",
+        "timing",
         "_pg",
     )
 
@@ -77,6 +80,7 @@ class HookContext:
         self.process_group = process_group
         self.active = True
         self.self_time = SelfTime()  # the collector's, shared when attached
+        self.timing: Any = None  # device_timing.DeviceTiming on CUDA (the tail's events)
         self._pg: tuple[Any, int] | None = None
 
     def group_and_size(self) -> tuple[Any, int]:
@@ -164,6 +168,8 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
                 launch_s = t_exit - t_enter  # the user's reduction is not the collector's cost
             st.comm_s += t_exit - t_enter
             st.last_launch_exit_perf = t_exit
+            if ctx.timing is not None:
+                ctx.timing.bucket_launched()
             last = st.buckets_prev_step and st.buckets >= st.buckets_prev_step
             if last and st.buckets_done < st.buckets:
                 st.phase = "collective"  # last bucket launched: backward now waits
@@ -178,6 +184,8 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
                 st.last_done_perf = now if last_done is None or now > last_done else last_done
                 st.finish_collective(entry, now - t_enter)
                 st.buckets_done += 1
+                if ctx.timing is not None:
+                    ctx.timing.bucket_done()  # on the stream that waits for the reduction
                 if st.phase == "collective" and st.buckets_done >= st.buckets:
                     st.phase = "optimizer"  # backward is released: clip, step...
                 if not st.clip_seen:  # else the loop's clip_grad_norm_ gives it

@@ -17,9 +17,10 @@ callbacks that see a call's arguments just before it runs (FSDP2's local
 gradient norm is taken from its reduce-scatter input there). While
 ``torch.compile`` traces, a wrapper passes straight through.
 
-Asynchronous calls (``async_op=True``, ``batch_isend_irecv``) are recorded with
-the launch time only: the wait happens later in ``Work.wait()``, which is
-not wrapped.
+Asynchronous calls (``async_op=True``, ``batch_isend_irecv``) are recorded at
+launch; the training thread's later ``Work.wait()`` on them is timed into
+``comm_s`` and the entry's ``s`` (``work_wait.py``). On CUDA, synchronous calls
+are bracketed with timing events (``device_timing.py``).
 """
 
 from __future__ import annotations
@@ -125,8 +126,12 @@ class DistPatch:
         training_thread: int,
         taps: dict[str, Callable] | None = None,
         faults: Any = None,
+        works: Any = None,
+        timing: Any = None,
     ) -> None:
         self._state = state
+        self._works = works  # work_wait.WorkWaitPatch: times the async calls' waits
+        self._timing = timing  # device_timing.DeviceTiming on CUDA
         self._taps = dict(taps or {})
         self._faults = faults
         self._group_name = group_name
@@ -180,8 +185,9 @@ class DistPatch:
                 or _compiling()
             ):
                 return orig(*args, **kwargs)
-            entry = prev_phase = None
+            entry = prev_phase = mark = None
             on_training = threading.get_ident() == self._training_thread
+            is_async = False
             try:
                 group = kwargs.get("group")
                 if group is None and group_pos is not None and len(args) > group_pos:
@@ -196,12 +202,16 @@ class DistPatch:
                 entry = state.enter_collective(op, self._group_name(group), nbytes)
                 if on_training and not is_async:
                     prev_phase, state.phase = state.phase, "collective"
+                    if self._timing is not None:
+                        mark = self._timing.blocked_begin()
             except Exception as exc:
                 self._fault(name, exc)
             busy.on = True
             t0 = time.perf_counter()
+            result = None
             try:
-                return orig(*args, **kwargs)
+                result = orig(*args, **kwargs)
+                return result
             finally:
                 busy.on = False
                 try:
@@ -211,6 +221,10 @@ class DistPatch:
                         if prev_phase is not None:
                             state.comm_s += dt
                             state.phase = prev_phase
+                        if mark is not None:
+                            self._timing.blocked_end(mark)
+                        if is_async and on_training and self._works is not None:
+                            self._works.watch(result, entry)
                 except Exception as exc:
                     self._fault(name, exc)
 

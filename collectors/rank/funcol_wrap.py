@@ -7,8 +7,9 @@ rank blocks later, when the result is first used, in that module's
 ``wait_tensor``. The collector wraps both at attach (restored at close like
 ``dist_wrap``): the launch records op, group, per-group sequence number and
 bytes; the wait's seconds on the training thread are added to that entry's
-``s`` and to ``comm_s``. A wait whose launch was not seen (a result made
-before attach) still counts as ``comm_s``. While ``torch.compile`` traces, the
+``s`` and to ``comm_s`` (on CUDA bracketed with timing events,
+``device_timing``). A wait whose launch was not seen (a result made before
+attach) still counts as ``comm_s``. While ``torch.compile`` traces, the
 wrappers pass straight through (the compiled graph's collectives are not seen).
 """
 
@@ -80,8 +81,10 @@ class FuncolPatch:
         group_name: Callable[[Any], str],
         training_thread: int,
         faults: Faults,
+        timing: Any = None,
     ) -> None:
         self._state = state
+        self._timing = timing  # device_timing.DeviceTiming on CUDA: brackets the waits
         self._group_name = group_name
         self._training_thread = training_thread
         self._faults = faults
@@ -159,6 +162,8 @@ class FuncolPatch:
             ):
                 return orig(tensor, *args, **kwargs)
             entry = self._pending.pop(id(tensor), None)
+            timing = self._timing
+            mark = timing.blocked_begin() if timing is not None else None
             prev, state.phase = state.phase, "collective"
             t0 = time.perf_counter()
             try:
@@ -167,6 +172,8 @@ class FuncolPatch:
                 dt = time.perf_counter() - t0
                 state.phase = prev
                 state.comm_s += dt
+                if mark is not None:
+                    timing.blocked_end(mark)
                 if entry is not None:
                     try:
                         state.finish_collective(entry, entry.get("s", 0.0) + dt)

@@ -3,8 +3,10 @@
 The training thread hands over what it measured as cheap references (lazy
 tensors, lists of per-bucket norms, a digest callable); the conversions that
 may wait for a device, the hashing and the naming of non-finite values
-happen here, on the sender thread. A non-finite ``loss``, ``lr`` or gradient
-norm is data (the evidence of a NaN origin): it is written as null with
+happen here, on the sender thread, and so does reading the step's CUDA timing
+events (``device_timing``: device ``compute_s``/``comm_s``). A non-finite
+``loss``, ``lr`` or gradient norm is data (the evidence of a NaN origin): it
+is written as null with
 ``nonfinite_fields`` naming the value ("NaN", "Infinity", "-Infinity"), so a
 reader can tell it from a reading that was not reported.
 """
@@ -68,6 +70,11 @@ def build_step_record(base: dict, p: dict) -> dict:
     rec = dict(base)
     for k in _COPIED:
         rec[k] = p[k]
+    timing, events = p.get("device") or (None, None)
+    if events is not None:  # CUDA: device times once the step's events completed
+        device = timing.resolve(events)
+        if device is not None:
+            rec["compute_s"], rec["comm_s"] = device
     _put(rec, "loss", _as_float(p["loss"]))
     _put(rec, "lr", _as_float(p["lr"]))
     if p["local"]:

@@ -1,0 +1,66 @@
+"""The patches one collector installs into torch at attach, built in one place.
+
+AMP's scaler, ``torch.distributed``'s collectives (with FSDP2's reduce-scatter
+tap), ``Work.wait``, DTensor's functional collectives and the loop's gradient
+clipping; each installs itself and restores torch at close (``uninstall``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankscope.collectors.rank.amp import ScalerPatch
+from rankscope.collectors.rank.clip_patch import ClipPatch
+from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
+from rankscope.collectors.rank.fsdp import ReduceScatterTap
+from rankscope.collectors.rank.funcol_wrap import FuncolPatch
+from rankscope.collectors.rank.work_wait import WorkWaitPatch
+
+__all__ = ["Patches", "build_patches"]
+
+
+@dataclass(slots=True)
+class Patches:
+    """The installed patches, in install order, and the two told of step ends."""
+
+    all: list[Any] = field(default_factory=list)
+    funcol: FuncolPatch | None = None
+    works: WorkWaitPatch | None = None
+
+    def step_done(self) -> None:
+        for p in (self.funcol, self.works):
+            if p is not None:
+                p.step_done()
+
+
+def build_patches(
+    rc: Any, optimizer: Any, on_skipped: Callable[[], None], steps_seen: Callable[[], int]
+) -> Patches:
+    """The patches of collector ``rc`` (not installed yet), built on the training thread."""
+    st, faults, shape, timing = rc.state, rc._faults, rc._shape, rc._timing
+    me = threading.get_ident()
+    out = Patches()
+    if optimizer is not None:
+        out.all.append(ScalerPatch(
+            optimizer, me,
+            on_scale=lambda scale: setattr(st, "loss_scale", scale),
+            on_skipped=on_skipped, steps_seen=steps_seen, faults=faults,
+        ))  # fmt: skip
+    groups = {id(g): name for name, g in rc.identity.groups.items()}
+    label = lambda g: group_label(g, groups)  # noqa: E731
+    taps = {}
+    if shape is not None and shape.fsdp is not None:
+        taps["reduce_scatter_single"] = ReduceScatterTap(
+            st, shape.fsdp.shard, faults, rc._self_time
+        )
+    out.works = WorkWaitPatch(st, me, faults, timing)
+    out.all += [out.works, DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
+                                     timing=timing)]  # fmt: skip
+    if shape is not None and shape.dtensor:
+        out.funcol = FuncolPatch(st, label, me, faults, timing)
+        out.all.append(out.funcol)
+    out.all.append(ClipPatch(st, rc._params, me))
+    return out
