@@ -42,6 +42,9 @@ class Unscaled:
     def __int__(self) -> int:
         return int(float(self))
 
+    def parts(self) -> tuple[Any, Any]:
+        return self._norm, self._scale
+
 
 class ScalerPatch:
     """Wraps ``torch.amp.GradScaler.step`` for one collector."""

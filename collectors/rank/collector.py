@@ -24,6 +24,7 @@ from rankscope.collectors.rank.device_timing import DeviceTiming, TimingStats, m
 from rankscope.collectors.rank.digest_worker import make_digester
 from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.grad_fallback import fallback_grad_stats
+from rankscope.collectors.rank.host_copy import offload_record
 from rankscope.collectors.rank.patches import Patches, build_patches
 from rankscope.collectors.rank.self_time import SelfTime
 from rankscope.collectors.rank.step_boundary import Guarded, count_tokens, pending_record
@@ -475,5 +476,13 @@ class RankCollector:
 
     def _emit_pending(self) -> None:
         p, self._pending = self._pending, None
-        if p is not None:
-            self._sender.put(lambda: build_step_record(self._base, p))
+        if p is None:
+            return
+        if self._timing is not None:  # CUDA: the values leave the device without a sync
+            try:
+                copied, events = offload_record(p), p["device"][1]
+                if copied is not None and events is not None:
+                    events.extra.append(copied)
+            except Exception as exc:
+                self._faults.hit("device values (host copy)", exc)
+        self._sender.put(lambda: build_step_record(self._base, p))

@@ -81,12 +81,13 @@ class TimingStats:
 class StepEvents:
     """One step's events, handed from the training thread to the sender thread."""
 
-    __slots__ = ("start", "end", "pairs", "launch", "done", "closed_at", "finished")
+    __slots__ = ("start", "end", "pairs", "launch", "done", "closed_at", "finished", "extra")
 
     def __init__(self, start: Any, end: Any, pairs: list, launch: Any, done: list, at: float):
         self.start, self.end, self.pairs = start, end, pairs
         self.launch, self.done, self.closed_at = launch, done, at
         self.finished = False
+        self.extra: list = []  # events to wait for too, not timed (host_copy's copy)
 
     def events(self) -> list:
         out = [self.start, self.end, *self.done]
@@ -218,7 +219,7 @@ class DeviceTiming:
         pending = ev.events()
         deadline = ev.closed_at + self._wait_s
         try:
-            while not all(e.query() for e in pending):
+            while not all(e.query() for e in pending + ev.extra):
                 if self._clock() >= deadline:
                     self._fallback()
                     return None

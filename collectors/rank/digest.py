@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 from rankscope.collectors.rank.dtensor import local
+from rankscope.collectors.rank.host_copy import HostTensor, to_host
 
 __all__ = ["DigestPlan", "digest_sums", "digest_hex"]
 
@@ -176,7 +177,7 @@ class DigestPlan:
         for (device, _), tensors in small.items():
             flat = torch.cat(tensors) if len(tensors) > 1 else tensors[0].contiguous()
             sums.setdefault(device, []).extend(_torch_word_sums(flat))
-        return [torch.stack(s) for s in sums.values()]
+        return [to_host(torch.stack(s)) for s in sums.values()]  # copied without a sync
 
 
 def digest_sums(params: Iterable[torch.Tensor]) -> list:
@@ -185,10 +186,12 @@ def digest_sums(params: Iterable[torch.Tensor]) -> list:
 
 
 def digest_hex(stacks: list) -> str:
-    """Hash the sums into 16 hex digits (sender thread: may wait for the device)."""
+    """Hash the sums into 16 hex digits (sender thread: waits, bounded, for a device copy)."""
     h = hashlib.blake2b(digest_size=8)
     for s in stacks:
         if isinstance(s, torch.Tensor):
             s = s.cpu().numpy()
+        elif isinstance(s, HostTensor):
+            s = s.numpy()
         h.update(np.ascontiguousarray(s, dtype=np.int64).tobytes())
     return h.hexdigest()
