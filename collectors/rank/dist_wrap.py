@@ -12,7 +12,9 @@ the caller gets.
 
 The wrapped names cover what loops and wrappers call: the classic ones, the
 ``*_single`` ones FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``),
-the coalesced ones, and point-to-point ops (pipeline schedules). ``taps`` are
+the coalesced ones, and point-to-point ops (pipeline schedules: ``isend``/``irecv``
+are replaced in ``distributed_c10d`` too, where ``P2POp`` checks an op's
+identity). ``taps`` are
 callbacks that see a call's arguments just before it runs (FSDP2's local
 gradient norm is taken from its reduce-scatter input there). While
 ``torch.compile`` traces, a wrapper passes straight through.
@@ -63,12 +65,17 @@ OP_NAMES = {
     "reduce_scatter_single": "reduce_scatter",
     "all_reduce_coalesced": "allreduce",
     "all_gather_coalesced": "allgather",
-    # point to point (torch.distributed.pipelining). NOT isend/irecv: P2POp checks
-    # its op's identity against torch's own isend/irecv, a wrapper would be refused
+    # point to point (torch.distributed.pipelining calls isend/irecv itself for
+    # one-way batches, batch_isend_irecv for mixed ones)
     "send": "send",
     "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
     "batch_isend_irecv": "p2p",
 }
+# Also replaced in distributed_c10d itself: P2POp and batch_isend_irecv check an op's
+# identity against that module's isend/irecv, so both names must be the wrapper
+_C10D_TOO = ("isend", "irecv")
 _INPUT_KWARGS = ("tensor", "input", "input_tensor", "tensor_list", "tensors", "p2p_op_list")
 
 
@@ -153,6 +160,8 @@ class DistPatch:
             self._originals[name] = orig
             self._wrappers[name] = wrapper
             setattr(dist, name, wrapper)
+            if name in _C10D_TOO and getattr(dist.distributed_c10d, name, None) is orig:
+                setattr(dist.distributed_c10d, name, wrapper)
 
     def uninstall(self) -> None:
         """Restore the originals; a wrapper someone else wrapped again stays in
@@ -161,8 +170,9 @@ class DistPatch:
 
         self._active = False
         for name, orig in self._originals.items():
-            if getattr(dist, name, None) is self._wrappers[name]:
-                setattr(dist, name, orig)
+            for module in (dist, dist.distributed_c10d):
+                if getattr(module, name, None) is self._wrappers[name]:
+                    setattr(module, name, orig)
         self._originals.clear()
         self._wrappers.clear()
 
@@ -192,10 +202,12 @@ class DistPatch:
                 group = kwargs.get("group")
                 if group is None and group_pos is not None and len(args) > group_pos:
                     group = args[group_pos]
+                if group is None and name == "batch_isend_irecv" and args and args[0]:
+                    group = getattr(args[0][0], "group", None)  # the P2POps' group
                 is_async = kwargs.get("async_op")
                 if is_async is None and async_pos is not None and len(args) > async_pos:
                     is_async = args[async_pos]
-                is_async = is_async or name == "batch_isend_irecv"
+                is_async = is_async or name in ("batch_isend_irecv", "isend", "irecv")
                 if tap is not None:
                     tap(args, kwargs, group)
                 nbytes = _call_bytes(args, kwargs)

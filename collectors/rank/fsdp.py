@@ -5,13 +5,20 @@ FSDP2 reduces each parameter group's gradient with one
 ``all_reduce`` of the reduced shard over the replicate group). The
 reduce-scatter's INPUT is the unsharded gradient this rank computed, the
 only moment the rank's local contribution exists whole: ``grad_norm`` is
-taken there (``ReduceScatterTap``, called by ``dist_wrap`` just before the
+taken there (``GradInputTap``, called by ``dist_wrap`` just before the
 call). After the step's reductions ``.grad`` holds this rank's shard of the
 reduced gradient; ``grad_norm_reduced`` is that shard's norm, equal on
 HSDP replicas of one shard.
 
-FSDP pre-divides the input only for reduce dtypes at risk of overflow
-(float16); there ``grad_norm`` is the local gradient divided by that factor.
+With a shard group of one rank (HSDP of whole replicas: plain data parallel
+through ``fully_shard``, as under pipeline stages) there is no reduce-scatter;
+the replicate all-reduce's input is then the local gradient, and the tap is
+on that all-reduce instead.
+
+FSDP pre-divides the input for reduce dtypes at risk of overflow (float16,
+by ~sqrt of the divide factor, ``set_gradient_divide_factor`` or the data
+parallel size); the tap multiplies the norm back by that pre-divide factor,
+asked of FSDP's own rule, so ``grad_norm`` is the gradient this rank computed.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.grad_stats import tensor_norm_stats
 from rankscope.collectors.rank.step_state import StepState
 
-__all__ = ["FsdpGroups", "ReduceScatterTap", "find_fsdp"]
+__all__ = ["FsdpGroups", "GradInputTap", "find_fsdp", "fsdp_taps"]
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class FsdpGroups:
     shard: list[Any] = field(default_factory=list)
     replicate: list[Any] = field(default_factory=list)
     modules: int = 0
+    by_group: dict[str, Any] = field(default_factory=dict)  # group key -> an FSDPParamGroup
 
     def dp_groups(self) -> list[Any]:
         return self.replicate + self.shard
@@ -72,38 +80,100 @@ def find_fsdp(model: torch.nn.Module) -> FsdpGroups | None:
             for attr, into in (("shard_process_group", found.shard),
                                ("replicate_process_group", found.replicate)):
                 g = getattr(info, attr, None)
+                if g is not None:
+                    found.by_group.setdefault(_key(g), pg)
                 if g is not None and _key(g) not in seen:
                     seen.add(_key(g))
                     into.append(g)
     return found if found.modules else None
 
 
-class ReduceScatterTap:
-    """Takes the local gradient norm from FSDP's reduce-scatter inputs (training thread)."""
+def _predivide(pg: Any, inp: torch.Tensor) -> float:
+    """The factor FSDP divided ``inp`` by before reducing it (1.0 when none)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    info = pg.mesh_info
+    pre = _get_gradient_divide_factors(
+        getattr(info, "shard_process_group", None),
+        getattr(info, "replicate_process_group", None),
+        inp.dtype,
+        inp.device.type,
+        getattr(pg, "gradient_divide_factor", None),
+        getattr(pg, "force_sum_reduction_for_comms", False),
+    )[0]
+    return float(pre) if pre else 1.0
+
+
+class GradInputTap:
+    """Takes the local gradient norm from the input of FSDP's first gradient
+    reduction: the reduce-scatter, or the replicate all-reduce where the shard
+    group is one rank (training thread, just before the call)."""
 
     def __init__(
-        self, state: StepState, shard_groups: list[Any], faults: Faults, self_time: Any = None
+        self,
+        state: StepState,
+        groups: dict[str, Any],
+        faults: Faults,
+        self_time: Any = None,
+        arg: tuple[str, int] = ("input", 1),
     ) -> None:
         self._state = state
         self._self_time = self_time  # SelfTime: the pass counts as grad_norm_s
-        self._keys = {_key(g) for g in shard_groups}
+        self._groups = groups  # group key -> FSDPParamGroup reducing over it
         self._faults = faults
+        self._arg = arg
+        self._warned_factor = False
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
-        if group is None or _key(group) not in self._keys:
-            return  # a reduce-scatter that is not FSDP's gradient reduction
+        pg = None if group is None else self._groups.get(_key(group))
+        if pg is None:
+            return  # a reduction that is not FSDP's gradient reduction
         try:
-            inp = kwargs.get("input")
-            if inp is None and len(args) > 1:
-                inp = args[1]
+            name, pos = self._arg
+            inp = kwargs.get(name)
+            if inp is None and len(args) > pos:
+                inp = args[pos]
             if not isinstance(inp, torch.Tensor):
                 return
             t0 = time.perf_counter()
             norm, nonfinite = tensor_norm_stats(inp)
+            factor = self._factor(pg, inp)
+            if factor != 1.0:
+                norm = norm * factor
             if self._self_time is not None:
                 self._self_time.grad_norm_s += time.perf_counter() - t0
             self._state.local_sq.append(norm)
             self._state.nonfinite.append(nonfinite)
             self._state.fsdp_reductions += 1
         except Exception as exc:
-            self._faults.hit("grad_norm (FSDP reduce-scatter input)", exc)
+            self._faults.hit("grad_norm (FSDP reduction input)", exc)
+
+    def _factor(self, pg: Any, inp: torch.Tensor) -> float:
+        if inp.dtype in (torch.float32, torch.bfloat16, torch.float64):
+            return 1.0  # FSDP divides only where float16 could overflow
+        try:
+            return _predivide(pg, inp)
+        except Exception as exc:
+            if not self._warned_factor:
+                self._warned_factor = True
+                self._faults.hit("grad_norm (FSDP pre-divide factor; norm left divided)", exc)
+            return 1.0
+
+
+def fsdp_taps(
+    fsdp: FsdpGroups, state: StepState, faults: Faults, self_time: Any
+) -> dict[str, GradInputTap]:
+    """The ``dist_wrap`` taps for ``fsdp``'s groups: reduce-scatter inputs over shard
+    groups of several ranks; the replicate all-reduce's where a shard group is one."""
+    def keyed(groups: list) -> dict[str, Any]:
+        return {_key(g): fsdp.by_group[_key(g)] for g in groups if _key(g) in fsdp.by_group}
+
+    whole = [g for g in fsdp.shard if g.size() > 1]
+    taps = {"reduce_scatter_single": GradInputTap(state, keyed(whole), faults, self_time)}
+    if len(whole) < len(fsdp.shard) and fsdp.replicate:
+        taps["all_reduce"] = GradInputTap(
+            state, keyed(fsdp.replicate), faults, self_time, arg=("tensor", 0)
+        )
+    return taps

@@ -15,7 +15,7 @@ from typing import Any
 from rankscope.collectors.rank.amp import ScalerPatch
 from rankscope.collectors.rank.clip_patch import ClipPatch
 from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
-from rankscope.collectors.rank.fsdp import ReduceScatterTap
+from rankscope.collectors.rank.fsdp import fsdp_taps
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
 from rankscope.collectors.rank.work_wait import WorkWaitPatch
 
@@ -53,9 +53,7 @@ def build_patches(
     label = lambda g: group_label(g, groups)  # noqa: E731
     taps = {}
     if shape is not None and shape.fsdp is not None:
-        taps["reduce_scatter_single"] = ReduceScatterTap(
-            st, shape.fsdp.shard, faults, rc._self_time
-        )
+        taps = fsdp_taps(shape.fsdp, st, faults, rc._self_time)
     out.works = WorkWaitPatch(st, me, faults, timing)
     out.all += [out.works, DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
                                      timing=timing)]  # fmt: skip

@@ -54,7 +54,7 @@ class StepState:
     last_launch_exit_perf: float | None = None
     last_done_perf: float | None = None
     buckets_done: int = 0
-    fsdp_reductions: int = 0  # FSDP2 reduce-scatters of this step (fsdp.ReduceScatterTap)
+    fsdp_reductions: int = 0  # FSDP2 gradient reductions seen this step (fsdp.GradInputTap)
     loss_scale: Any = None  # AMP GradScaler's scale this step (amp.py), None without AMP
     local_scaled: bool = True  # local_sq taken during backward (under the loss scale)
     reduced_scaled: bool = True  # reduced_sq taken in the DDP completion callback

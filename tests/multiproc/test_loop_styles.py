@@ -12,8 +12,10 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from rankscope.pipeline.offline.replay import replay_trace
 from support.loops.faults import Fault
+from support.loops.harness import by_kind as _by_kind
+from support.loops.harness import findings as _findings
+from support.loops.harness import med as _med
 from support.loops.harness import run_loop
 from support.loops.model import Opts
 
@@ -29,21 +31,6 @@ FAULTS = [
     Fault("nan", NAN_RANK, NAN_STEP),
 ]
 CLEAN = range(2, SLOW_FROM)
-
-
-def _findings(trace_dir):
-    res = replay_trace(trace_dir)
-    out = [(f.kind, list(f.ranks), f.first_step, f.detected_step, f.action) for f in res.findings]
-    print("\n".join(map(str, sorted(out, key=lambda x: x[2]))))
-    return out
-
-
-def _by_kind(found, kind):
-    return [f for f in found if f[0] == kind]
-
-
-def _med(steps, rank, field, window):
-    return statistics.median(steps[s][rank][field] for s in window)
 
 
 def _assert_common(steps, info, world, work_s=None):

@@ -125,18 +125,23 @@ def test_torch_compiled_module_is_attached_through_its_wrapper():
 
 def test_attached_collector_leaves_point_to_point_ops_usable():
     """Pipeline schedules build ``P2POp(dist.isend, ...)``, which refuses any op that is
-    not torch's own isend/irecv: those two must stay unwrapped."""
+    not ``distributed_c10d``'s own isend/irecv: the wrappers replace those too, so the
+    check passes, and close puts the originals back in both places."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     model = torch.nn.Linear(2, 1)
+    orig_isend, orig_irecv = c10d.isend, c10d.irecv
     register_channel("wrap-p2p", queue.Queue())
     rc = RankCollector.attach(model, job="p", sink="embedded://wrap-p2p", rank=0, world=1)
     try:
-        from torch.distributed import distributed_c10d as c10d
-
         # exactly P2POp's check (``op in [isend, irecv]`` against c10d's own)
         assert dist.isend is c10d.isend and dist.irecv is c10d.irecv
+        assert getattr(dist.isend, "__rankscope_wrapped__", False)
+        c10d._check_op(dist.isend)
+        c10d._check_op(dist.irecv)
         assert getattr(dist.batch_isend_irecv, "__rankscope_wrapped__", False)
     finally:
         rc.close()
         unregister_channel("wrap-p2p")
+    assert dist.isend is orig_isend is c10d.isend and dist.irecv is orig_irecv is c10d.irecv

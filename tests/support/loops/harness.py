@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rankscope.pipeline.offline.replay import replay_trace
 from rankscope.pipeline.traces.files import read_trace
 from support.loops import faults as faults_mod
 from support.loops.model import Opts
@@ -63,3 +65,20 @@ def run_loop(style, world, tmp_path, *, opts=None, faults=(), build_kw=None, att
             steps[rec["step"]][rec["rank"]] = rec
     info = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
     return dict(steps), info
+
+
+def findings(trace_dir):
+    """(kind, ranks, first step, detected step, action) of each finding of a replay."""
+    res = replay_trace(trace_dir)
+    out = [(f.kind, list(f.ranks), f.first_step, f.detected_step, f.action) for f in res.findings]
+    print("\n".join(map(str, sorted(out, key=lambda x: x[2]))))
+    return out
+
+
+def by_kind(found, kind):
+    return [f for f in found if f[0] == kind]
+
+
+def med(steps, rank, field, window):
+    """The median of one rank's ``field`` over the steps of ``window``."""
+    return statistics.median(steps[s][rank][field] for s in window)

@@ -1,0 +1,111 @@
+"""The collector under ``torch.distributed.pipelining``: PP2 x DP3 on 6 real gloo ranks.
+
+Stage 0 is ranks 0-2, stage 1 (the loss) ranks 3-5; ``dp`` is the replica
+index within a stage (``tests/support/loops/pipeline_pp.py``). Three replicas
+per stage, not two: a one-bit flip is only attributable by a majority of
+equal-stage replicas. Faults come from outside the loop: a 1.5x straggler on
+rank 1, a flip of one of rank 3's parameters, a NaN in rank 5's logits.
+
+40 ms of emulated device time per micro-batch forward (20 ms elsewhere): the
+schedule overlaps the stages, so with 20 ms the straggler slowed the job by
+only 1.1x and went unseen. What the detectors make of a pipeline today:
+the straggler is an ``observe`` (the job slows ~1.15x, under the 1.25x evict
+rule); its pipeline partner (rank 4), which waits for its activations in
+``recv``, may get a ``network`` observe; the NaN's gradient flows back over
+the pipeline, so rank 5's upstream partner (rank 2) is non-finite at the same
+step and the finding names both (the detectors do not yet prefer the rank
+whose loss is non-finite, ``nonfinite_fields``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.loops.faults import Fault
+from support.loops.harness import by_kind, findings, med, run_loop
+from support.loops.model import Opts
+
+pytestmark = pytest.mark.multiproc
+
+WORLD, STEPS, MICRO = 6, 30, 2
+SLOW_RANK, SLOW_FROM, SLOW_UNTIL = 1, 8, 19
+FLIP_RANK, FLIP_STEP = 3, 14
+NAN_RANK, NAN_STEP = 5, 27
+UPSTREAM = NAN_RANK - 3  # the stage-0 rank of the NaN origin's pipeline
+CLEAN = range(2, SLOW_FROM)
+SLOW = range(SLOW_FROM + 1, SLOW_UNTIL)
+
+
+def _assert_fields(steps, world, window):
+    dp = world // 2
+    for s in window:
+        recs = [steps[s][r] for r in range(world)]
+        assert [(r["pp"], r["dp"]) for r in recs] == [(p, d) for p in (0, 1) for d in range(dp)]
+        for stage in (0, 1):
+            mine = recs[dp * stage : dp * stage + dp]
+            # replicas of one stage hold equal parameters and reduced gradients;
+            # their local gradients are their own data's
+            assert len({r["param_digest"] for r in mine}) == 1
+            assert len({r["grad_norm_reduced"] for r in mine}) == 1
+            assert len({r["grad_norm"] for r in mine}) == dp
+        assert recs[0]["param_digest"] != recs[dp]["param_digest"]  # stages differ
+        assert all(("loss" in r) == (r["pp"] == 1) for r in recs)  # the last stage's
+        for r in recs:
+            ops = {(c["op"], c["group"]) for c in r["collectives"]}
+            assert ("allreduce", "dp_replicate") in ops  # the stage's gradient reduction
+            p2p = {op for op, group in ops if group == "pp"}
+            assert p2p & {"send", "recv", "p2p"}, ops  # activations and their gradients
+            assert all(c["seq"] > 0 for c in r["collectives"])
+            # the waits for the other stage's activations/gradients are comm_s
+            waited = sum(c["s"] for c in r["collectives"] if c["group"] == "pp")
+            assert r["comm_s"] >= 0.5 * waited > 0, r
+
+
+def _run(tmp_path, world, schedule, faults, steps):
+    opts = Opts(steps=steps, accum=MICRO, clip=None, work_s=0.04)
+    out, info = run_loop("pipeline_pp", world, tmp_path, opts=opts, faults=faults,
+                         build_kw={"schedule": schedule})  # fmt: skip
+    assert sorted(out) == list(range(steps)), "every iteration is one step record"
+    assert all(sorted(out[s]) == list(range(world)) for s in out)
+    assert all(not i["faults"] for i in info.values()), info
+    return out, opts
+
+
+def test_pipeline_1f1b_pp2_x_dp2_fields(tmp_path):
+    steps, _ = _run(tmp_path, 4, "1f1b", [], 6)
+    _assert_fields(steps, 4, range(2, 6))
+
+
+def test_pipeline_gpipe_pp2_x_dp3_faults_localized(tmp_path):
+    faults = [
+        Fault("straggler", SLOW_RANK, SLOW_FROM, SLOW_UNTIL, factor=1.5),
+        Fault("flip", FLIP_RANK, FLIP_STEP, until=STEPS),
+        Fault("nan", NAN_RANK, NAN_STEP),
+    ]
+    steps, opts = _run(tmp_path, WORLD, "gpipe", faults, STEPS)
+    _assert_fields(steps, WORLD, CLEAN)
+    # the straggler's forwards take 1.5x: its compute_s grows; the other ranks wait
+    slow = med(steps, SLOW_RANK, "compute_s", SLOW)
+    peers = [med(steps, r, "compute_s", SLOW) for r in (0, 2)]
+    assert slow - max(peers) > 0.3 * opts.work_s * MICRO, (slow, peers)
+    slow_comm = med(steps, SLOW_RANK, "comm_s", SLOW)
+    assert all(med(steps, r, "comm_s", SLOW) > slow_comm for r in (0, 2))
+    flipped = steps[FLIP_STEP]
+    assert flipped[FLIP_RANK]["param_digest"] != flipped[4]["param_digest"]
+    assert flipped[4]["param_digest"] == flipped[5]["param_digest"]
+    at = steps[NAN_STEP]
+    assert at[NAN_RANK].get("nonfinite", 0) > 0 and "loss" in at[NAN_RANK]["nonfinite_fields"]
+    assert all(at[r].get("nonfinite") == 0 for r in (3, 4))  # its stage peers
+    assert at[UPSTREAM].get("nonfinite", 0) > 0  # the NaN gradient it was sent
+    assert all(at[r].get("nonfinite") == 0 for r in (0, 1))
+    found = findings(tmp_path / "trace")
+    slow_f = by_kind(found, "straggler")
+    assert slow_f and all(f[1] == [SLOW_RANK] for f in slow_f), found
+    assert SLOW_FROM <= slow_f[0][3] <= SLOW_UNTIL, slow_f
+    assert SLOW_FROM - 4 <= slow_f[0][2] <= SLOW_UNTIL, slow_f
+    sdc = by_kind(found, "sdc")
+    assert sdc and sdc[0][1] == [FLIP_RANK] and sdc[0][2] == FLIP_STEP, found
+    nan = by_kind(found, "nonfinite")
+    assert nan and nan[0][1] == [UPSTREAM, NAN_RANK] and nan[0][2] == NAN_STEP, found
+    assert not [f for f in found if f[4] == "evict" and set(f[1]) - {SLOW_RANK, FLIP_RANK}]
+    others = [f for f in found if f[0] not in ("straggler", "sdc", "nonfinite")]
+    assert all(f[4] == "observe" and f[1] == [SLOW_RANK + 3] for f in others), found
