@@ -163,3 +163,17 @@ def test_amp_grad_scaler_skipped_step_and_unscaled_norms(tmp_path):
     # the skipped step left the parameters as they were
     assert steps[skip_step][0]["param_digest"] == steps[skip_step - 1][0]["param_digest"]
     _findings(tmp_path / "trace")
+
+
+def test_fsdp2_float16_reduce_grad_norm_carries_no_predivide_factor(tmp_path):
+    """Under ``reduce_dtype=float16`` FSDP divides the reduce-scatter input by ~sqrt
+    of the data-parallel size (2 on 4 ranks) before reducing; ``grad_norm`` is still
+    the local gradient: equal, to float16 rounding, to a float32-reduce run's."""
+    opts, norms = Opts(steps=2, work_s=0.0, clip=None), {}
+    for dtype in ("float32", "float16"):
+        steps, info = run_loop("fsdp2", 4, tmp_path / dtype, opts=opts,
+                               build_kw={"reduce_dtype": dtype})  # fmt: skip
+        assert all(not i["faults"] for i in info.values()), info
+        norms[dtype] = [steps[s][r]["grad_norm"] for s in range(2) for r in range(4)]
+    for fp32, fp16 in zip(norms["float32"], norms["float16"], strict=True):
+        assert fp16 == pytest.approx(fp32, rel=1e-2)

@@ -1,7 +1,9 @@
 """FSDP2 the way the FSDP2 example and torchtitan wrap it: ``fully_shard`` per
 block, then the root; HSDP on a 2-D (replicate, shard) mesh. ``opts.hsdp``
 gives the replicate size (0: plain FSDP over the world); reshard after forward
-is True for FSDP and False for HSDP here, so both settings run."""
+is True for FSDP and False for HSDP here, so both settings run. ``reduce_dtype``
+sets ``MixedPrecisionPolicy(reduce_dtype=...)``: float16 makes FSDP pre-divide
+the reduce-scatter input."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 from support.loops.model import Opts, TinyLM, batch, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 @dataclass(slots=True)
@@ -22,7 +24,7 @@ class Built:
     topology: Any = None
 
 
-def build(rank: int, world: int, opts: Opts, hsdp: int = 0) -> Built:
+def build(rank: int, world: int, opts: Opts, hsdp: int = 0, reduce_dtype=None) -> Built:
     torch.manual_seed(0)
     model = TinyLM(opts.work_s)
     if hsdp:
@@ -31,10 +33,12 @@ def build(rank: int, world: int, opts: Opts, hsdp: int = 0) -> Built:
         )
     else:
         mesh = init_device_mesh("cpu", (world,))  # no names, as the FSDP2 example
-    reshard = not hsdp
+    kw = {"reshard_after_forward": not hsdp}
+    if reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     return Built(model, opt, mesh=mesh, topology=mesh if hsdp else None)
 

@@ -50,6 +50,7 @@ def run_loop(style, world, tmp_path, *, opts=None, faults=(), build_kw=None, att
     """Run ``style`` on ``world`` ranks; returns (steps[step][rank] -> record, per-rank info)."""
     opts = opts or Opts()
     out = Path(tmp_path)
+    out.mkdir(parents=True, exist_ok=True)  # a missing rendezvous dir would hang init
     mp.spawn(
         _worker,
         args=(world, style, build_kw or {}, opts, list(faults), str(out / "rdzv"), str(out),

@@ -68,8 +68,8 @@ def build(rank: int, world: int, opts: Opts, pp: int = 2, schedule: str = "gpipe
     loss_fn = lambda logits, y: lm_loss(logits, y)  # noqa: E731
     sched = kind(stage, n_microbatches=opts.accum, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
-    return Built(model, opt, schedule=sched, last=last, dp_rank=mesh["dp_replicate"].get_local_rank(),
-                 mesh=mesh, topology=mesh)  # fmt: skip
+    dp_rank = mesh["dp_replicate"].get_local_rank()
+    return Built(model, opt, schedule=sched, last=last, dp_rank=dp_rank, mesh=mesh, topology=mesh)
 
 
 def train(b: Built, rc, rank: int, opts: Opts) -> None:
