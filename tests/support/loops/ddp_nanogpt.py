@@ -1,6 +1,8 @@
 """nanoGPT-style DDP: gradient accumulation with ``no_sync`` on all but the last
 micro-step (nanoGPT sets ``require_backward_grad_sync`` itself; both are the
-same switch), loss scaled by the accumulation, ``clip_grad_norm_``, AdamW."""
+same switch), loss scaled by the accumulation, ``clip_grad_norm_``, AdamW.
+``compile`` names a ``torch.compile`` backend: as nanoGPT does, the model is
+compiled first and the compiled module wrapped in DDP."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ class Built:
     topology: Any = None
 
 
-def build(rank: int, world: int, opts: Opts) -> Built:
+def build(rank: int, world: int, opts: Opts, compile: str | None = None) -> Built:
     torch.manual_seed(0)
-    model = DDP(TinyLM(opts.work_s))
+    lm = TinyLM(opts.work_s)
+    model = DDP(torch.compile(lm, backend=compile) if compile else lm)
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     return Built(model, opt)
 
