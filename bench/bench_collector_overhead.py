@@ -61,6 +61,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from overhead_sinks import NullSink, StallingSink  # noqa: E402
 from overhead_workloads import WORKLOADS, Workload  # noqa: E402
 from rankscope.collectors import CollectorConfig, RankCollector  # noqa: E402
 from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook  # noqa: E402
@@ -77,45 +78,6 @@ ARMS = ("plain", "hook", "no-digest", "collector")
 ARMS_OF = {"mlp": ARMS, "lm": ("plain", "collector")}
 # the collector's self-timed parts (collectors/rank/self_time.py), per step
 SELF_PARTS = ("overhead_s", "hooks_s", "comm_hook_s", "digest_s", "grad_norm_s", "launch_s")
-
-
-class NullSink:
-    """Accepts and discards: measures the collector, not a disk."""
-
-    def send(self, records):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
-class StallingSink(NullSink):
-    """Blocks in its first send for ``stall_s`` seconds (a hung broker)."""
-
-    def __init__(self, stall_s: float) -> None:
-        self.stall_s = stall_s
-        self.stalled_until: float | None = None
-        self.received = 0
-
-    def send(self, records):
-        if self.stalled_until is None:
-            self.stalled_until = time.monotonic() + self.stall_s
-            time.sleep(self.stall_s)
-        self.received += len(records)
-
-
-def _step(ddp, opt, x, y, rc, work: Workload) -> None:
-    opt.zero_grad(set_to_none=True)
-    loss = work.loss(ddp(x), y)
-    loss.backward()
-    if work.clip is not None:
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), work.clip)
-    if rc is not None:
-        rc.loss(loss)
-    opt.step()
 
 
 def _time_us(fn, repeat: int = 200) -> float:
@@ -186,7 +148,7 @@ def _block(model, opt, rc, x, y, steps: int, work: Workload) -> tuple:
     before = rc.self_time if rc is not None else None
     t_thread, c0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
     for _ in range(steps):
-        _step(model, opt, x, y, rc, work)
+        work.step(model, opt, x, y, rc)
     final_join = 0.0
     if digester is not None:
         t_join = time.perf_counter()
@@ -301,7 +263,7 @@ def _stalled(work: Workload, rank: int) -> dict:
     )
     t0 = time.monotonic()
     for _ in range(STALL_STEPS):
-        _step(model, opt, x, y, rc, work)
+        work.step(model, opt, x, y, rc)
     result = {
         "stall_loop_s": time.monotonic() - t0,
         "still_stalled": time.monotonic() < (sink.stalled_until or 0.0),
@@ -463,35 +425,10 @@ def main() -> int:
                 p.join()
         _print(results, args)
     if args.wrapper_steps:
-        _wrappers(args.wrapper_steps, ctx)
+        from overhead_fsdp2 import run_wrappers
+
+        run_wrappers(args.wrapper_steps, ctx, WORLD)
     return 0
-
-
-def _wrapper_worker(rank: int, tmp: str, steps: int, out) -> None:
-    from overhead_fsdp2 import measure
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv-w", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    try:
-        out.put([dict(measure(kind, rank, steps), rank=rank) for kind in ("ddp", "fsdp2")])
-    finally:
-        dist.destroy_process_group()
-
-
-def _wrappers(steps: int, ctx) -> None:
-    from overhead_fsdp2 import print_figures
-
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_wrapper_worker, args=(r, tmp, steps, out))
-                 for r in range(WORLD)]  # fmt: skip
-        for p in procs:
-            p.start()
-        rows = [row for _ in procs for row in out.get(timeout=1800)]
-        for p in procs:
-            p.join()
-    print_figures(sorted(rows, key=lambda r: (r["kind"], r["rank"])))
 
 
 if __name__ == "__main__":

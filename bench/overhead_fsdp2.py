@@ -11,23 +11,14 @@ measurement itself), as for DDP's buckets. Prints figures, asserts nothing.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from overhead_sinks import NullSink
 from overhead_workloads import WORKLOADS
 from rankscope.collectors import RankCollector
-
-
-class _NullSink:
-    def send(self, records):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def _wrap(kind: str, model):
@@ -46,14 +37,7 @@ def _steps(model, opt, work, x, y, n: int, rc) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = work.loss(model(x), y)
-        loss.backward()
-        if work.clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), work.clip)
-        if rc is not None:
-            rc.loss(loss)
-        opt.step()
+        work.step(model, opt, x, y, rc)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -69,7 +53,7 @@ def measure(kind: str, rank: int, steps: int, block: int = 4) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rc = None
         if arm == "collected":
-            rc = RankCollector.attach(model, opt, job=f"bench-{kind}", sink=_NullSink())
+            rc = RankCollector.attach(model, opt, job=f"bench-{kind}", sink=NullSink())
         _steps(model, opt, work, x, y, 3, rc)  # warm-up
         arms[arm] = {"model": model, "opt": opt, "rc": rc, "t": []}
     start = arms["collected"]["rc"].self_time
@@ -103,3 +87,27 @@ def print_figures(rows: list[dict]) -> None:
               f"{r['step_collected_ms']:18.2f} {r['step_collected_ms'] / r['step_plain_ms']:6.3f} "
               f"{r['own_us']:12.0f} {r['own_pct']:14.2f} {r['grad_norm_us']:18.0f}"
               + (f"  faults {r['faults']}" if r["faults"] else ""))  # fmt: skip
+
+
+def _wrapper_worker(rank: int, tmp: str, steps: int, world: int, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv-w", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        out.put([dict(measure(kind, rank, steps), rank=rank) for kind in ("ddp", "fsdp2")])
+    finally:
+        dist.destroy_process_group()
+
+
+def run_wrappers(steps: int, ctx, world: int) -> None:
+    """Measure both wrappers on ``world`` spawned gloo ranks and print the table."""
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_wrapper_worker, args=(r, tmp, steps, world, out))
+                 for r in range(world)]  # fmt: skip
+        for p in procs:
+            p.start()
+        rows = [row for _ in procs for row in out.get(timeout=1800)]
+        for p in procs:
+            p.join()
+    print_figures(sorted(rows, key=lambda r: (r["kind"], r["rank"])))

@@ -37,6 +37,17 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     clip: float | None = None  # the loop clips gradients to this L2 norm (every arm)
 
+    def step(self, model, opt, x, y, rc=None) -> None:
+        """One training step as the benches' loops run it (``rc`` gets the loss)."""
+        opt.zero_grad(set_to_none=True)
+        loss = self.loss(model(x), y)
+        loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
+        if rc is not None:
+            rc.loss(loss)
+        opt.step()
+
 
 def _mlp(hidden: int = 256, batch: int = 32) -> Workload:
     def make_model() -> nn.Module:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.step_state import StepState
+from rankscope.collectors.rank.work_wait import timed_wait
 
 __all__ = ["FuncolPatch", "FUNCOL_OPS"]
 
@@ -161,24 +161,12 @@ class FuncolPatch:
                 or threading.get_ident() != self._training_thread
             ):
                 return orig(tensor, *args, **kwargs)
-            entry = self._pending.pop(id(tensor), None)
-            timing = self._timing
-            mark = timing.blocked_begin() if timing is not None else None
-            prev, state.phase = state.phase, "collective"
-            t0 = time.perf_counter()
-            try:
-                return orig(tensor, *args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                state.phase = prev
-                state.comm_s += dt
-                if mark is not None:
-                    timing.blocked_end(mark)
-                if entry is not None:
-                    try:
-                        state.finish_collective(entry, entry.get("s", 0.0) + dt)
-                    except Exception as exc:
-                        self._faults.hit("functional collective bookkeeping (wait)", exc)
+            entry = self._pending.pop(id(tensor), None)  # None: launched before attach
+            return timed_wait(state, self._timing, entry, self._fault,
+                              lambda: orig(tensor, *args, **kwargs))  # fmt: skip
 
         wait_tensor.__rankscope_wrapped__ = True
         return wait_tensor
+
+    def _fault(self, exc: Exception) -> None:
+        self._faults.hit("functional collective bookkeeping (wait)", exc)

@@ -20,9 +20,32 @@ from typing import Any
 from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.step_state import StepState
 
-__all__ = ["WorkWaitPatch"]
+__all__ = ["WorkWaitPatch", "timed_wait"]
 
 _MAX_WATCHED = 4096
+
+
+def timed_wait(state: StepState, timing: Any, entry: dict | None, fault: Any, call: Any) -> Any:
+    """Run ``call()``, a wait on the training thread, as time blocked in a collective:
+    phase ``collective`` meanwhile, its seconds added to ``comm_s`` and to ``entry``'s
+    ``s``, bracketed with device timing events on CUDA. ``fault(exc)`` counts a
+    bookkeeping failure; the wait's own result or exception is what the caller gets."""
+    mark = timing.blocked_begin() if timing is not None else None
+    prev, state.phase = state.phase, "collective"
+    t0 = time.perf_counter()
+    try:
+        return call()
+    finally:
+        dt = time.perf_counter() - t0
+        state.phase = prev
+        try:
+            state.comm_s += dt
+            if entry is not None:
+                state.finish_collective(entry, entry.get("s", 0.0) + dt)
+            if mark is not None:
+                timing.blocked_end(mark)
+        except Exception as exc:
+            fault(exc)
 
 
 class WorkWaitPatch:
@@ -74,23 +97,11 @@ class WorkWaitPatch:
             item = watched.pop(id(work), None)
             if item is None or item[0] is not work:
                 return orig(work, *args, **kwargs)
-            entry = item[1]
-            timing = self._timing
-            mark = timing.blocked_begin() if timing is not None else None
-            prev, state.phase = state.phase, "collective"
-            t0 = time.perf_counter()
-            try:
-                return orig(work, *args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                state.phase = prev
-                try:
-                    state.comm_s += dt
-                    state.finish_collective(entry, entry.get("s", 0.0) + dt)
-                    if mark is not None:
-                        timing.blocked_end(mark)
-                except Exception as exc:
-                    self._faults.hit("collective bookkeeping (Work.wait)", exc)
+            return timed_wait(state, self._timing, item[1], self._fault,
+                              lambda: orig(work, *args, **kwargs))  # fmt: skip
 
         wait.__rankscope_wrapped__ = True
         return wait
+
+    def _fault(self, exc: Exception) -> None:
+        self._faults.hit("collective bookkeeping (Work.wait)", exc)

@@ -5,23 +5,11 @@ gradients hold inf/NaN and halves its scale)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from support.loops.model import Opts, TinyLM, batch, lm_loss
+from support.loops.model import Built, Opts, TinyLM, batch, lm_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 INIT_SCALE = 2.0**12
-
-
-@dataclass(slots=True)
-class Built:
-    model: Any
-    optimizer: Any
-    scaler: Any = None
-    mesh: Any = None
-    topology: Any = None
 
 
 def build(rank: int, world: int, opts: Opts) -> Built:

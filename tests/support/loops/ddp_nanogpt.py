@@ -7,20 +7,10 @@ compiled first and the compiled module wrapped in DDP."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-from support.loops.model import Opts, TinyLM, batch, lm_loss
+from support.loops.model import Built, Opts, TinyLM, batch, lm_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-@dataclass(slots=True)
-class Built:
-    model: Any
-    optimizer: Any
-    mesh: Any = None
-    topology: Any = None
 
 
 def build(rank: int, world: int, opts: Opts, compile: str | None = None) -> Built:

@@ -7,21 +7,10 @@ the reduce-scatter input."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from support.loops.model import Opts, TinyLM, batch, lm_loss
+from support.loops.model import Built, Opts, TinyLM, batch, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-
-@dataclass(slots=True)
-class Built:
-    model: Any
-    optimizer: Any
-    mesh: Any = None
-    topology: Any = None
 
 
 def build(rank: int, world: int, opts: Opts, hsdp: int = 0, reduce_dtype=None) -> Built:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,3 +75,15 @@ def batch(rank: int, step: int, micro: int, opts: Opts) -> tuple[torch.Tensor, t
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+@dataclass(slots=True)
+class Built:
+    """What a loop style's ``build`` hands the harness: the module to attach to, its
+    optimizer, the mesh and what to pass as ``topology=`` (None: the default)."""
+
+    model: Any
+    optimizer: Any
+    mesh: Any = None
+    topology: Any = None
+    scaler: Any = None  # AMP's GradScaler

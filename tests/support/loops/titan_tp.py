@@ -5,11 +5,8 @@ fails on parameters of two meshes (torchtitan ships its own for that)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from support.loops.model import Opts, TinyLM, batch, lm_loss
+from support.loops.model import Built, Opts, TinyLM, batch, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (
@@ -19,22 +16,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-@dataclass(slots=True)
-class Built:
-    model: Any
-    optimizer: Any
-    mesh: Any = None
-    topology: Any = None
-
-
 def build(rank: int, world: int, opts: Opts, tp: int = 2) -> Built:
     torch.manual_seed(0)
     model = TinyLM(opts.work_s)
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     for block in model.blocks:
-        parallelize_module(
-            block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        )
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
