@@ -8,13 +8,14 @@ rank 1, a flip of one of rank 3's parameters, a NaN in rank 5's logits.
 
 40 ms of emulated device time per micro-batch forward (20 ms elsewhere): the
 schedule overlaps the stages, so with 20 ms the straggler slowed the job by
-only 1.1x and went unseen. What the detectors make of a pipeline today:
-the straggler is an ``observe`` (the job slows ~1.15x, under the 1.25x evict
-rule); its pipeline partner (rank 4), which waits for its activations in
-``recv``, may get a ``network`` observe; the NaN's gradient flows back over
-the pipeline, so rank 5's upstream partner (rank 2) is non-finite at the same
-step and the finding names both (the detectors do not yet prefer the rank
-whose loss is non-finite, ``nonfinite_fields``).
+only 1.1x and went unseen. What the detectors make of a pipeline today: the
+straggler is found on its rank (``observe`` or ``evict``: the job slows only
+~1.15x, near the evict rules' bounds); its pipeline partner (rank 4), which
+waits for its activations in ``recv``, may get a ``network`` observe; the
+NaN's gradient flows back over the pipeline, so rank 5's upstream partner
+(rank 2) is non-finite at the same step and the finding names both (the
+detectors do not yet prefer the rank whose loss is non-finite,
+``nonfinite_fields``).
 """
 
 from __future__ import annotations
