@@ -148,7 +148,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             s = (x[i, rows] > limit) & (x[i, rows] - hmed > floor)
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
-    lead = _leading(frame, idx, c, state, cfg)
+    lead, lead_run = _leading(frame, idx, c, state, cfg)
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
     dev = hit.any(axis=0)
@@ -156,6 +156,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         strong = _strong(hit, win, cfg)
         confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
         fast = lead & ~confirmed  # the fast rule needs no chance-rate streak
+        streak = np.where(fast, np.maximum(streak, lead_run), streak)  # onset: the lead's 1st step
         confirmed = (confirmed | lead) & ~_sped_up(frame, idx, c, state, cfg, confirmed | lead)
         if win is not None and confirmed.any():  # the window holds it from now on
             state.window.hold(frame.rank[confirmed])
@@ -208,14 +209,16 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
 
 
 def _leading(frame, idx, c, state, cfg) -> np.ndarray:
-    """Rows the fast rule names this step: a lead for ``lead_steps`` steps in a row."""
+    """Rows the fast rule names this step (a lead for ``lead_steps`` steps in a row), and
+    per row how many steps in a row it has led."""
     n = frame.n
     if not (cfg.lead_steps and cfg.window_metric):
-        return np.zeros(n, dtype=bool)
+        return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
     if not (lead.any() or state.lead.count.any()):
-        return lead
-    return lead & (state.lead.update(frame.rank, lead) >= cfg.lead_steps)
+        return lead, np.zeros(n, dtype=np.int64)
+    run = np.asarray(state.lead.update(frame.rank, lead), dtype=np.int64)
+    return lead & (run >= cfg.lead_steps), np.where(lead, run, 0)
 
 
 def _sped_up(frame, idx, c, state, cfg, rows: np.ndarray) -> np.ndarray:
