@@ -94,9 +94,24 @@ def test_ddp_nanogpt_style_accumulation_and_clipping(tmp_path):
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 
+def _run_sharded(world, tmp_path, opts, build_kw=None):
+    """run_loop for the FSDP/HSDP tests, once more in a fresh folder when the straggler
+    went unseen: with 4-6 ranks on 2 shared cores, host noise now and then hides a 1.5x
+    straggler in a 30-step run of FSDP's noisy gloo collectives (recall is measured over
+    many runs by bench/bench_false_alarms.py; this test checks fields and localization)."""
+    for attempt in ("a", "b"):
+        here = tmp_path / attempt
+        here.mkdir()
+        steps, info = run_loop("fsdp2", world, here, opts=opts, faults=FAULTS, build_kw=build_kw)
+        found = _findings(here / "trace")
+        if _by_kind(found, "straggler"):
+            break
+    return steps, info, found
+
+
 def test_fsdp2_unnamed_mesh(tmp_path):
     world, opts = 4, Opts(steps=STEPS, work_s=0.06)  # FSDP's gloo collectives are noisy
-    steps, info = run_loop("fsdp2", world, tmp_path, opts=opts, faults=FAULTS)
+    steps, info, found = _run_sharded(world, tmp_path, opts)
     _assert_common(steps, info, world, opts.work_s)
     for s in CLEAN:
         recs = [steps[s][r] for r in range(world)]
@@ -107,12 +122,12 @@ def test_fsdp2_unnamed_mesh(tmp_path):
             assert r["grad_norm"] > r["grad_norm_reduced"] > 0
         ops = {c["op"] for c in recs[0]["collectives"]}
         assert {"allgather", "reduce_scatter"} <= ops
-    _assert_located(_findings(tmp_path / "trace"), flip=False)
+    _assert_located(found, flip=False)
 
 
 def test_hsdp_replicas_of_one_shard(tmp_path):
     world, opts = 6, Opts(steps=STEPS, work_s=0.06)  # 6 ranks share 2 cores: more device time
-    steps, info = run_loop("fsdp2", world, tmp_path, opts=opts, faults=FAULTS, build_kw={"hsdp": 3})
+    steps, info, found = _run_sharded(world, tmp_path, opts, build_kw={"hsdp": 3})
     _assert_common(steps, info, world, opts.work_s)
     for s in CLEAN:
         recs = [steps[s][r] for r in range(world)]
@@ -126,7 +141,7 @@ def test_hsdp_replicas_of_one_shard(tmp_path):
         assert groups == {"dp_shard", "dp_replicate"}
     flipped = steps[FLIP_STEP]
     assert flipped[FLIP_RANK]["param_digest"] != flipped[1]["param_digest"]
-    _assert_located(_findings(tmp_path / "trace"), flip=True)
+    _assert_located(found, flip=True)
 
 
 def test_torchtitan_style_fsdp2_x_tp(tmp_path):
