@@ -26,6 +26,7 @@ from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.lead import lead_hits
+from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel
@@ -151,6 +152,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     lead, lead_run = _leading(frame, idx, c, state, cfg)
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
+    victims = _victims(frame, c, hit, win, state, cfg)
+    if victims.any():  # a partner stage's slowness, not its own: the step does not count
+        hit[:, victims] = False
+        lead &= ~victims
     dev = hit.any(axis=0)
     if dev.any() or state.streaks.open():  # else nothing to advance or reset
         strong = _strong(hit, win, cfg)
@@ -170,7 +175,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     if win is not None:
         said = {s.ranks[0] for s in out.signals}
         sped = _sped_up(frame, idx, c, state, cfg, win.hit)
-        for row in np.flatnonzero(win.hit & ~sped):
+        for row in np.flatnonzero(win.hit & ~sped & ~victims):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     pair_any = pair.any(axis=0)
@@ -219,6 +224,20 @@ def _leading(frame, idx, c, state, cfg) -> np.ndarray:
         return lead, np.zeros(n, dtype=np.int64)
     run = np.asarray(state.lead.update(frame.rank, lead), dtype=np.int64)
     return lead & (run >= cfg.lead_steps), np.where(lead, run, 0)
+
+
+def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:
+    """Rows slow only as the echo of a slower pipeline partner (straggler/pipeline_victim.py)."""
+    slow = hit.copy()
+    if win is not None and cfg.window_metric:
+        slow[cfg.metrics.index(cfg.window_metric)] |= win.hit
+    if not slow.any():
+        return np.zeros(frame.n, dtype=bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.nan_to_num(np.where(slow, c.x / c.median, 0.0), nan=0.0).max(axis=0)
+    metric = cfg.window_metric or cfg.metrics[0]
+    standing = state.streaks.streak[(metric, "slow")].peek(frame.rank)
+    return pipeline_victims(frame, slow, rel, np.asarray(standing))
 
 
 def _sped_up(frame, idx, c, state, cfg, rows: np.ndarray) -> np.ndarray:
