@@ -70,12 +70,18 @@ def test_a_lone_shorter_wait_never_evicts_but_a_corroborated_late_arrival_does()
     assert g.action == "evict"
 
 
-def test_an_evict_on_the_only_host_names_the_ranks_not_the_host():
-    recs = make_records(steps=40, dp=4, tp=1, ranks_per_host=4, straggler=(2, 10, 1.6))
+def _one_finding(dp: int, slow_rank: int):
+    """The single finding of a strict engine over a 1.6x straggler from step 10."""
+    recs = make_records(steps=40, dp=dp, tp=1, ranks_per_host=4, straggler=(slow_rank, 10, 1.6))
     engine = Engine(EngineConfig(strict=True))
     engine.feed(sorted(recs, key=lambda r: r["t"]))
     engine.flush()
     (f,) = engine.findings()
+    return f
+
+
+def test_an_evict_on_the_only_host_names_the_ranks_not_the_host():
+    f = _one_finding(4, 2)
     assert (f.kind, f.ranks, f.hosts, f.action) == ("straggler", [2], ["h0"], "evict")
     assert f.evidence["evict_scope"] == "ranks" and "h0" in f.evidence["host_note"]
     msg = control_message(f, now=1.0)
@@ -84,11 +90,7 @@ def test_an_evict_on_the_only_host_names_the_ranks_not_the_host():
 
 
 def test_an_evict_on_one_of_several_hosts_names_the_host():
-    recs = make_records(steps=40, dp=8, tp=1, ranks_per_host=4, straggler=(5, 10, 1.6))
-    engine = Engine(EngineConfig(strict=True))
-    engine.feed(sorted(recs, key=lambda r: r["t"]))
-    engine.flush()
-    (f,) = engine.findings()
+    f = _one_finding(8, 5)
     assert (f.hosts, f.action) == (["h1"], "evict") and "evict_scope" not in f.evidence
     assert control_message(f, now=1.0)["hosts"] == ["h1"]
 

@@ -58,3 +58,16 @@ def test_descheduling_hiccups_in_a_clean_job_name_nobody():
 def test_the_rule_can_be_turned_off():
     outs, _ = run(S, frames(60, np.random.default_rng(1), slow=3), S.StragglerConfig(lead_steps=0))
     assert named(outs, rule="lead") == [] and named(outs)[0][0] > 31
+
+
+def test_a_rank_whose_gpu_throttles_is_left_to_the_gpu_detector():
+    """The same 1.5x lead, but rank 3's GPU reports a thermal throttle from the onset:
+    the lead rule names nobody (the GPU detector owns a throttled clock)."""
+    fs = frames(60, np.random.default_rng(1), slow=3)
+    for f in fs:
+        events = [["hw_thermal"] if r == 3 and f.step >= 30 else [] for r in range(8)]
+        f.gpu = {"clock_events": np.array(events, dtype=object)}
+    outs, _ = run(S, fs)
+    assert named(outs, rule="lead") == []
+    plain, _ = run(S, frames(60, np.random.default_rng(1), slow=3))
+    assert named(plain, rule="lead")  # without the throttle the rule fires
