@@ -11,11 +11,14 @@ from rankscope.detectors.stats.robust import MAD_TO_SIGMA, quantile_sorted
 
 __all__ = ["RankHistory"]
 
+_TABLE_MIN_RANKS = 64
+"""Calls for at least this many ranks use the per-metric table of every rank's statistics."""
+
 
 class RankHistory:
     """Last ``window`` clean readings per rank for each of ``metrics``."""
 
-    __slots__ = ("metrics", "window", "buf", "pos", "_mi")
+    __slots__ = ("metrics", "window", "buf", "pos", "_mi", "_table")
 
     def __init__(self, metrics: tuple[str, ...], window: int = 32) -> None:
         if window < 1:
@@ -25,6 +28,7 @@ class RankHistory:
         self._mi = {m: i for i, m in enumerate(self.metrics)}
         self.buf = np.full((len(self.metrics), 0, self.window), np.nan)
         self.pos = np.zeros(0, dtype=np.int64)
+        self._table: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _grow(self, n_ranks: int) -> None:
         have = self.pos.shape[0]
@@ -39,6 +43,7 @@ class RankHistory:
         """Append the readings of clean rows; NaN readings are stored as gaps."""
         ranks = np.asarray(ranks, dtype=np.int64)
         clean = np.asarray(clean, dtype=bool)
+        self._table.clear()
         if ranks.size == 0:
             return
         if int(ranks.min()) < 0 or int(ranks.max()) >= RANK_LIMIT:
@@ -66,9 +71,27 @@ class RankHistory:
     def assess(self, ranks: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(count, median, robust sigma) of each rank's window; no state change.
 
-        Ranks never seen get count 0 and NaN statistics.
-        """
+        Ranks never seen get count 0 and NaN statistics. A call for many ranks
+        computes every known rank's statistics once until the next ``learn`` (a
+        step asks for the same metric over all ranks more than once; each row's
+        statistics depend on that row alone, so the answer is the same)."""
         ranks = np.asarray(ranks, dtype=np.int64)
+        if ranks.shape[0] < _TABLE_MIN_RANKS:
+            return self._stats(ranks, metric)
+        table = self._table.get(metric)
+        if table is None:
+            table = self._table[metric] = self._stats(np.arange(self.pos.shape[0]), metric)
+        known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
+        if known.all():
+            return table[0][ranks], table[1][ranks], table[2][ranks]
+        at = np.where(known, ranks, 0)
+        if not self.pos.shape[0]:  # nothing learnt yet: nothing to look up
+            z = np.zeros(ranks.shape[0], dtype=np.int64)
+            return z, np.full(z.shape[0], np.nan), np.full(z.shape[0], np.nan)
+        count = np.where(known, table[0][at], 0)
+        return count, np.where(known, table[1][at], np.nan), np.where(known, table[2][at], np.nan)
+
+    def _stats(self, ranks: np.ndarray, metric: str):
         k = ranks.shape[0]
         known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
         sub = np.full((k, self.window), np.nan)
@@ -123,3 +146,4 @@ class RankHistory:
         )
         buf[buf == None] = np.nan  # noqa: E711 (elementwise on an object array)
         self.buf = buf.astype(np.float64)
+        self._table.clear()

@@ -209,9 +209,10 @@ def uniform_columns(recs: list[dict]) -> dict[str, list] | None:
 
 def _typed_step():
     """The step record as a msgspec struct, field by field from the schema table; the
-    names of its optional fields and of its int-or-float fields."""
+    type hint of each field, and the names of its optional and its int-or-float fields."""
     exact = {frozenset({t}): t for t in (int, str, bool, list, dict)}
-    fields: list[tuple] = [("v", int), ("type", Literal["step"]), ("job", str)]
+    hints: dict[str, Any] = {"v": int, "type": Literal["step"], "job": str}
+    fields: list[tuple] = list(hints.items())
     optional, numbers = [], []
     for name, (types, required) in SCHEMA["step"].items():
         if frozenset(types) == {int, float}:
@@ -219,6 +220,7 @@ def _typed_step():
             numbers.append(name)
         else:
             hint = exact[frozenset(types)]
+        hints[name] = hint
         if required:
             fields.append((name, hint))
         else:
@@ -227,10 +229,10 @@ def _typed_step():
     # gc=False: the structs hold no cycles, and millions of them would wake the collector
     cls = msgspec.defstruct("TypedStep", fields, kw_only=True, forbid_unknown_fields=True,
                             gc=False)  # fmt: skip
-    return cls, frozenset(optional), frozenset(numbers)
+    return cls, hints, frozenset(optional), frozenset(numbers)
 
 
-_TYPED_STEP, _OPTIONAL, _NUMBERS = _typed_step()
+_TYPED_STEP, _HINTS, _OPTIONAL, _NUMBERS = _typed_step()
 _TYPED_DECODER = msgspec.json.Decoder(list[_TYPED_STEP])
 _TYPED_FIELDS = tuple(
     (name, name in _OPTIONAL, name in _NUMBERS) for name in _TYPED_STEP.__struct_fields__
@@ -240,12 +242,68 @@ _KNOWN_TYPES = {"v": {int}, "type": {str}, "job": {str}} | {
 }
 
 
+class _Shape:
+    """A decoder for step arrays of exactly one shape (these fields, all present, v 1).
+
+    One producer sends one shape message after message, so the last shape that
+    decoded is tried first: a struct of only its fields, all required and unknown
+    ones forbidden, accepts a message only when every record has exactly those
+    fields, so there is no absent-field pass and no transposition of the ~40
+    unset optional fields; a message it refuses takes the general decode."""
+
+    __slots__ = ("names", "numbers", "decoder")
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        hints = {**_HINTS, "v": Literal[1]}  # the version checked while parsing
+        cls = msgspec.defstruct("StepShape", [(n, hints[n]) for n in names], kw_only=True,
+                                forbid_unknown_fields=True, gc=False)  # fmt: skip
+        self.names = names
+        self.numbers = tuple(n for n in names if n in _NUMBERS)
+        self.decoder = msgspec.json.Decoder(list[cls])
+
+    def columns(self, value: bytes, min_records: int):
+        """(columns, types) of ``value``; None when this shape's struct refuses it."""
+        try:
+            recs = self.decoder.decode(value)
+        except msgspec.DecodeError:
+            return None
+        if len(recs) < max(1, min_records):
+            return None
+        cols = dict(zip(self.names, zip(*map(astuple, recs), strict=True), strict=True))
+        types = {n: set(map(type, cols[n])) for n in self.numbers}
+        return cols, types
+
+
+_SHAPE: list[_Shape | None] = [None]  # the last shape that decoded (see ``_Shape``)
+
+
 def typed_step_columns(value: bytes, min_records: int = COLUMNS_MIN_RECORDS,
                        ) -> dict[str, list] | None:  # fmt: skip
     """``uniform_columns`` of an array of at least ``min_records`` step records, decoded
     typed (see the module docstring); None for anything else, decoded the old way."""
     if value[:1] != b"[":
         return None
+    shape = _SHAPE[0]
+    got = shape.columns(value, min_records) if shape is not None else None
+    if got is None:
+        got = _general_columns(value, min_records)
+        if got is None:
+            return None
+        if shape is None or shape.names != tuple(got[0]):
+            _SHAPE[0] = _Shape(tuple(got[0]))
+    cols, types = got
+    types = _KNOWN_TYPES | types
+    colls = cols.get("collectives")
+    if colls is not None and not all(not c or _colls_ok(c) for c in colls):
+        return None
+    if columns_bounds_reason("step", cols, types=types) is not None:
+        return None
+    return cols
+
+
+def _general_columns(value: bytes, min_records: int):
+    """(columns, types of the optional and number fields) from the struct of every step
+    field; None when it refuses the value or its records are not of one shape."""
     try:
         recs = _TYPED_DECODER.decode(value)
     except msgspec.DecodeError:  # ValidationError too: a type, a field, a token
@@ -268,17 +326,10 @@ def typed_step_columns(value: bytes, min_records: int = COLUMNS_MIN_RECORDS,
             if unset_type in seen:
                 return None
             types[name] = seen
-        else:
-            types[name] = _KNOWN_TYPES[name]
         cols[name] = vals
     if set(cols["v"]) != {1}:
         return None
-    colls = cols.get("collectives")
-    if colls is not None and not all(not c or _colls_ok(c) for c in colls):
-        return None
-    if columns_bounds_reason("step", cols, types=types) is not None:
-        return None
-    return cols
+    return cols, types
 
 
 def decode_records(value: bytes | None, good: list[dict], bad: list[tuple[int, str, dict]]):

@@ -64,6 +64,9 @@ def register(subparsers) -> None:
 
 def _add_ops(p) -> None:
     """Logs, metrics and alerts (what an operator watches)."""
+    p.add_argument("--decode-workers", type=int, metavar="N",
+                   help="processes decoding large telemetry batches beside the loop, started on "
+                        "the first one (default 1; 0: the loop decodes everything)")  # fmt: skip
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="text for people, json: one object a line for log shippers")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -132,6 +135,7 @@ def run(args) -> int:
             "partitions": args.partitions,
             "checkpoint_interval_s": args.checkpoint_interval,
             "metrics_host": args.metrics_host,
+            "decode_workers": args.decode_workers,
         }  # unset options keep ServeConfig's defaults (one place for them)
         if args.progress_interval is not None:  # 0 turns the lines off
             given["progress_interval_s"] = args.progress_interval or None

@@ -50,6 +50,10 @@ class ServeConfig:
     """Finish (flushing open steps) after this long without a message (replays, benchmarks)."""
     measure_latency: bool = False
     """Record every step's detection latency in the stats (benchmarks)."""
+    decode_workers: int = 1
+    """Processes that decode large telemetry batches beside the loop (a second core;
+    ``rankscope.pipeline.bus.decode_pool``), started on the first such batch; 0: the loop
+    decodes everything itself."""
     feed_records: int = 4096
     """Records handed to the engine at once: larger amortizes, smaller detects sooner."""
     store_interval_s: float = 0.5
@@ -77,6 +81,8 @@ class ServeConfig:
             raise ValueError("serve: poll_timeout_s and checkpoint_interval_s must be > 0")
         if not 6.0 <= self.session_timeout_s <= 300.0:  # the broker's default bounds
             raise ValueError(f"serve: session_timeout_s={self.session_timeout_s} not in 6..300")
+        if not 0 <= self.decode_workers <= 64:
+            raise ValueError(f"serve: decode_workers={self.decode_workers} not in 0..64")
         if self.max_poll_messages < 1 or self.feed_records < 1:
             raise ValueError("serve: max_poll_messages and feed_records must be >= 1")
         if self.store_interval_s < 0:

@@ -44,7 +44,8 @@ import threading
 import time
 
 import orjson
-from rankscope.pipeline.bus.decode import StepBatch, decode_message
+from rankscope.pipeline.bus.decode import COLUMNS_MIN_RECORDS, StepBatch
+from rankscope.pipeline.bus.decode_pool import DecodePool, decode_outcome
 from rankscope.pipeline.bus.kafka import KafkaBus
 from rankscope.pipeline.engine.findings import Finding
 from rankscope.pipeline.serve.align import GpuAligner, StreamClock
@@ -88,6 +89,21 @@ def default_engine_factory(detector_configs: dict | None = None):
     return Engine(EngineConfig(assembler=asm), detector_configs=detector_configs)
 
 
+class _InLoop:
+    """Decoding without workers (``ServeConfig.decode_workers=0``)."""
+
+    @staticmethod
+    def outcomes(values, min_columns):
+        return (decode_outcome(v, min_columns) for v in values)
+
+    @staticmethod
+    def close() -> None:
+        return None
+
+
+_IN_LOOP = _InLoop()
+
+
 class Service:
     """The consume-detect-store loop (see the module docstring)."""
 
@@ -113,6 +129,7 @@ class Service:
         self._last_store = time.monotonic()
         self._pending_dead: list[tuple] = []
         self._positions_checked = 0.0
+        self._decoder = DecodePool(cfg.decode_workers) if cfg.decode_workers else _IN_LOOP
 
     def stop(self, *_args) -> None:
         """Ask the loop to finish its batch, write, commit and return (signal-safe)."""
@@ -280,17 +297,14 @@ class Service:
             fed_from = 0  # index into msgs of the first message not yet fed
             pnow = self._stream_now(tp.partition, now)
             is_tel = tp.topic == telemetry
-            for k, m in enumerate(msgs):
-                bad: list[tuple[int, str, dict]] = []
-                start = len(good)
-                try:
-                    batch = decode_message(m.value, good, bad,
-                                           **({} if is_tel else {"min_columns": 1 << 62}))
-                except Exception as exc:  # noqa: BLE001 - any failure is this message's
-                    del good[start:]
-                    self._dead(tp, m.offset, -1, str(exc) if isinstance(exc, ValueError)
-                               else f"decode error: {type(exc).__name__}: {exc}", m.value)
+            outcomes = self._decoder.outcomes([m.value for m in msgs],
+                                              COLUMNS_MIN_RECORDS if is_tel else 1 << 62)
+            for k, (m, (batch, recs, bad, error)) in enumerate(zip(msgs, outcomes, strict=True)):
+                if error is not None:
+                    self._dead(tp, m.offset, -1, error, m.value)
                     continue
+                start = len(good)
+                good.extend(recs)
                 if not is_tel:
                     bad.extend(misrouted(good, start))
                 for idx, reason, rec in bad:
@@ -437,6 +451,7 @@ class Service:
         return rows, commit
 
     def _close(self) -> None:
+        self._decoder.close()
         try:
             self._obs.close()  # queued alerts get their drain time; before the store closes
         except Exception as exc:  # on the way out: log, never mask

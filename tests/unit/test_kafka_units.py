@@ -115,6 +115,8 @@ def test_sink_never_blocks_and_counts_drops_without_a_broker():
         ({"poll_timeout_s": 0}, "poll_timeout_s"),
         ({"max_poll_messages": 0}, "max_poll_messages"),
         ({"idle_exit_s": -1.0}, "idle_exit_s"),
+        ({"decode_workers": -1}, "decode_workers"),
+        ({"decode_workers": 65}, "decode_workers"),
         ({"bus": "kafka://nohostport"}, "host:port"),
     ],
 )

@@ -68,3 +68,35 @@ def test_the_common_message_takes_the_typed_path_and_odd_ones_do_not():
     good, bad = [], []
     assert decode_message(json.dumps(mixed).encode(), good, bad, min_columns=4) is None
     assert len(good) == 8 and not bad
+
+
+@BUDGET
+@given(mutations)
+def test_the_last_shape_decoder_gives_what_the_general_decode_gives(muts):
+    """The second message of a shape takes the decoder of that shape (``decode._Shape``);
+    its answer is the general decode's, and so is the answer for a message of another
+    shape that follows it."""
+    value = _message(muts)
+    first = typed_step_columns(value, 1)
+    again = typed_step_columns(value, 1)
+    assert (first is None) == (again is None)
+    if first is not None:
+        assert {k: list(v) for k, v in again.items()} == {k: list(v) for k, v in first.items()}
+    other = _message([], drop=("loss",))
+    assert typed_step_columns(other, 1) is not None  # one shape, the previous one's or not
+
+
+def test_a_cached_shape_refuses_records_of_another_shape():
+    base = _message([])
+    assert typed_step_columns(base, 1) is not None
+    assert typed_step_columns(base, 1) is not None  # now from the cached shape
+    mixed = json.loads(base)
+    del mixed[3]["compute_s"]
+    assert typed_step_columns(json.dumps(mixed).encode(), 1) is None  # not one shape
+    extra = json.loads(base)
+    extra[5]["dropped"] = 1  # a known optional field on one record only
+    assert typed_step_columns(json.dumps(extra).encode(), 1) is None
+    v2 = json.loads(base)
+    v2[2]["v"] = 2
+    assert typed_step_columns(json.dumps(v2).encode(), 1) is None
+    assert typed_step_columns(base, 1) is not None
