@@ -157,12 +157,13 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         hit[:, victims] = False
         lead &= ~victims
     dev = hit.any(axis=0)
+    sped_up = _sped_up_of(frame, idx, c, state, cfg)
     if dev.any() or state.streaks.open():  # else nothing to advance or reset
         strong = _strong(hit, win, cfg)
         confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
         fast = lead & ~confirmed  # the fast rule needs no chance-rate streak
         streak = np.where(fast, np.maximum(streak, lead_run), streak)  # onset: the lead's 1st step
-        confirmed = (confirmed | lead) & ~_sped_up(frame, idx, c, state, cfg, confirmed | lead)
+        confirmed = (confirmed | lead) & ~sped_up(confirmed | lead)
         if win is not None and confirmed.any():  # the window holds it from now on
             state.window.hold(frame.rank[confirmed])
         for row in np.flatnonzero(confirmed):
@@ -174,7 +175,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         state.streaks.idle(n)
     if win is not None:
         said = {s.ranks[0] for s in out.signals}
-        sped = _sped_up(frame, idx, c, state, cfg, win.hit)
+        sped = sped_up(win.hit)
         for row in np.flatnonzero(win.hit & ~sped & ~victims):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
@@ -240,11 +241,21 @@ def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:
     return pipeline_victims(frame, slow, rel, np.asarray(standing))
 
 
-def _sped_up(frame, idx, c, state, cfg, rows: np.ndarray) -> np.ndarray:
-    """Of ``rows``, those whose lead on the windowed metric is their peers' speed-up."""
-    if not (rows.any() and cfg.window_metric):
-        return np.zeros(frame.n, dtype=bool)
-    return rows & peers_sped_up(frame, idx, c, state, cfg.metrics.index(cfg.window_metric), cfg)
+def _sped_up_of(frame, idx, c, state, cfg):
+    """``of(rows)``: of ``rows``, those whose lead on the windowed metric is their peers'
+    speed-up. Computed once a step, on the first call that needs it (the step asks twice,
+    for the confirmed rows and the window's; nothing it reads changes in between)."""
+    memo: list[np.ndarray] = []
+
+    def of(rows: np.ndarray) -> np.ndarray:
+        if not (rows.any() and cfg.window_metric):
+            return np.zeros(frame.n, dtype=bool)
+        if not memo:
+            memo.append(peers_sped_up(frame, idx, c, state, cfg.metrics.index(cfg.window_metric),
+                                      cfg))  # fmt: skip
+        return rows & memo[0]
+
+    return of
 
 
 def _strong(hit, win, cfg) -> np.ndarray:
