@@ -204,6 +204,25 @@ class IncidentTracker:
         self._open = still
         return out
 
+    def _rival(self, inc: _Incident) -> _Incident | None:
+        """An open slowness incident of the other kind on other ranks, reported beside ``inc``.
+
+        A slow link makes its peers wait and can shift a neighbour's time into what
+        its collector counts as compute (a healthy rank 0 came out a straggler beside
+        a slow link on rank 2, bench_false_alarms); the job's slowdown then backs
+        either. Neither evicts on it while both are open: two real faults of
+        different kinds at once are rare, an eviction of the wrong rank is worse
+        than a late one.
+        """
+        if inc.kind not in SLOWNESS_KINDS or inc.unattributed:
+            return None
+        for other in self._open:
+            if (other is not inc and other.reported and not other.unattributed
+                    and other.kind in SLOWNESS_KINDS and other.kind != inc.kind
+                    and not (other.ranks & inc.ranks)):  # fmt: skip
+                return other
+        return None
+
     def _sustained(self, inc: _Incident) -> float | None:
         tail = inc.slowdowns[-SLOWDOWN_SIGNALS:]
         return float(statistics.median(tail)) if tail else None
@@ -251,6 +270,8 @@ class IncidentTracker:
         corroborated = inc.kind != "network" or bool(inc.rules - LONE_WAIT_RULES) or (
             len(inc.rules) >= 2 or len(inc.detectors) >= 2
         )
+        rival = self._rival(inc)
+        corroborated = corroborated and rival is None
         action = decide_action(
             self.policy,
             kind=inc.kind,
@@ -278,7 +299,12 @@ class IncidentTracker:
             evidence["slowdown"] = round(slowdown, 4)
             if degraded(self.policy, inc.kind, slowdown):
                 evidence["degraded"] = True
-        if inc.kind == "network" and not corroborated:
+        if rival is not None:
+            evidence["contested"] = (
+                f"a {rival.kind} incident on rank(s) {sorted(rival.ranks)} is open as well: "
+                "the job's slowdown may be its, not this one's"
+            )
+        elif inc.kind == "network" and not corroborated:
             evidence["uncorroborated"] = "only shorter waits: other work fits as well as a link"
         if action == "evict":
             _one_host_note(evidence, hosts, self.job_hosts)

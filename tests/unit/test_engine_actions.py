@@ -104,3 +104,22 @@ def test_degraded_incidents_and_the_pace_survive_a_restart():
     (f,) = tr2.update(70, 70.0, [_slow(ratio=1.12)], _hosts, step_s=1.0)
     assert f.first_step == 19 and f.last_step == 70 and f.action == "observe"
     assert len(tr2.pace.quiet) == len(tr.pace.quiet)
+
+
+def test_a_straggler_beside_an_open_slow_link_on_another_rank_is_contested():
+    """bench_false_alarms, fault-network0.02-nanogpt: a slow link on rank 2, and healthy
+    rank 0's compute rose beside it; the job's slowdown backs either, so neither evicts."""
+    step_s = lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3)  # noqa: E731
+    both = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(60):
+        sigs = [_slow(rank=0, ratio=1.5)] if s >= 30 else []
+        if s >= 32:
+            sigs.append(_slow(rank=2, kind="network", ratio=1.5, rule="late_arrival_window"))
+        both.update(s, float(s), sigs, _hosts, step_s=step_s(s))
+    found = {f.kind: f for f in both.findings.values()}
+    assert {f.action for f in found.values()} == {"observe"}
+    assert "network" in found["straggler"].evidence["contested"]
+    assert "straggler" in found["network"].evidence["contested"]
+    alone = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    (f,) = _feed(alone, 60, lambda s: s >= 30, step_s, lambda: _slow(rank=0, ratio=1.5))
+    assert f.action == "evict" and "contested" not in f.evidence  # the same, uncontested
