@@ -221,6 +221,8 @@ def _leading(frame, idx, c, state, cfg) -> np.ndarray:
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
+    if lead.any() and state.streaks.rate[(cfg.window_metric, "slow")].steps < cfg.history_min_steps:
+        lead[:] = False  # the job's first steps (warm-up, loaders starting) teach only
     if not (lead.any() or state.lead.count.any()):
         return lead, np.zeros(n, dtype=np.int64)
     run = np.asarray(state.lead.update(frame.rank, lead), dtype=np.int64)
