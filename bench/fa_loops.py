@@ -121,6 +121,16 @@ class NanoGPTLoop(_DDPLoop):
         y = torch.stack([self.data[i + 1 : i + 1 + self.block] for i in ix])
         return x, y
 
+    def _autocast(self):
+        return nullcontext()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _update(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
+        self.opt.step()
+
     def step(self, it: int, rc) -> None:
         for g in self.opt.param_groups:
             g["lr"] = self._lr(it)
@@ -128,11 +138,11 @@ class NanoGPTLoop(_DDPLoop):
             x, y = self._batch()
             sync = micro == self.accum - 1
             with nullcontext() if sync else self.ddp.no_sync():
-                loss = self.ddp(x, y) / self.accum
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
-        self.opt.step()
-        rc.loss(loss.detach() * self.accum)
+                with self._autocast():
+                    loss = self.ddp(x, y) / self.accum
+                self._backward(loss)
+        self._update()
+        rc.loss(loss.detach().float() * self.accum)
         self.opt.zero_grad(set_to_none=True)
 
 
@@ -190,22 +200,17 @@ class AMPLoop(NanoGPTLoop):
         self.dtype = torch.float16 if seed % 2 == 0 else torch.bfloat16
         self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
 
-    def step(self, it: int, rc) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = self._lr(it)
-        for micro in range(self.accum):
-            x, y = self._batch()
-            sync = micro == self.accum - 1
-            with nullcontext() if sync else self.ddp.no_sync():
-                with torch.autocast("cpu", dtype=self.dtype):
-                    loss = self.ddp(x, y) / self.accum
-                self.scaler.scale(loss).backward()
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=self.dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def _update(self) -> None:
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
         self.scaler.step(self.opt)
         self.scaler.update()
-        rc.loss(loss.detach().float() * self.accum)
-        self.opt.zero_grad(set_to_none=True)
 
 
 LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop, **SHARDED, "amp": AMPLoop}
