@@ -1,18 +1,21 @@
 """False alarms and recall on loops rankscope has never seen (issue #14).
 
-Records clean runs of two loop styles people write (``fa_loops.py``:
-nanoGPT-like with accumulation and clipping, DDP-tutorial-like), 4 real gloo
-ranks on whatever host this is (a loaded 2-core one is the point), with the
-real collector on a file:// sink, plus runs with each fault kind injected
-from outside the loop (``fa_faults.py``); then replays every trace through
-``rankscope.pipeline.offline.replay`` and prints findings per 100 clean runs
-by action and kind, and recall and latency per fault kind.
+Records clean runs of five loop styles people write (``fa_loops.py``:
+nanoGPT-like DDP with accumulation and clipping, DDP-tutorial-like, AMP;
+``fa_sharded.py``: torchtitan-like FSDP2 and tensor parallel 2 x FSDP2), 4 real
+gloo ranks on whatever host this is (a loaded 2-core one is the point), with
+the real collector on a file:// sink, plus runs with each fault kind that can
+be localized under the style injected from outside the loop (``fa_faults.py``);
+then replays every trace through ``rankscope.pipeline.offline.replay`` and
+prints findings per 100 clean runs by action and kind (and per style), and
+recall and latency per fault kind and style.
 
 Recording and scoring are separate, so a corpus recorded once is re-scored
 in seconds after every detector change::
 
     flock /tmp/rankscope-cpu.lock python bench/bench_false_alarms.py --record out/fa --clean 10
     python bench/bench_false_alarms.py --record out/fa --faults      # one run per fault, per style
+    python bench/bench_false_alarms.py --record out/fa --clean 6 --styles fsdp2,tp
     python bench/bench_false_alarms.py --score out/fa [-v]
 
 ``--record`` appends to the folder (new names and seeds), so a corpus grows
@@ -32,9 +35,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fa_loops import LOOPS  # noqa: E402
 from fa_score import print_scores, score_corpus  # noqa: E402
 
-STYLES = ("nanogpt", "tutorial")
+STYLES = tuple(LOOPS)
 
 
 def fault_plan(steps: int) -> list[tuple[str, dict]]:
@@ -62,17 +66,21 @@ def _next_index(corpus: Path) -> int:
     return max(nums, default=-1) + 1
 
 
-def plan(corpus: Path, clean: int, faults: bool, steps: int) -> list[dict]:
+def plan(corpus: Path, clean: int, faults: bool, steps: int,
+         styles: tuple[str, ...] = STYLES) -> list[dict]:  # fmt: skip
+    """Clean runs round-robin over ``styles``, then each style's localizable faults."""
     idx = _next_index(corpus)
     runs = []
     for i in range(clean):
-        style = STYLES[(idx + i) % len(STYLES)]
+        style = styles[(idx + i) % len(styles)]
         runs.append({"name": f"clean-{style}-{idx + i:04d}", "style": style,
                      "seed": idx + i, "steps": steps, "fault": None})  # fmt: skip
     idx += clean
     if faults:
-        for style in STYLES:
+        for style in styles:
             for tag, f in fault_plan(steps):
+                if f["kind"] not in LOOPS[style].faults:
+                    continue
                 runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
                              "seed": idx, "steps": steps, "fault": f})  # fmt: skip
                 idx += 1
@@ -98,21 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", action="store_true", help="record one run per fault and style")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
+    ap.add_argument("--styles", default=",".join(STYLES),
+                    help=f"loop styles to record, comma-separated (default {','.join(STYLES)})")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every finding")
     a = ap.parse_args(argv)
     if a.clean < 0 or a.steps < 10 or a.batch < 1:
         ap.error("--clean must be >= 0, --steps >= 10, --batch >= 1")
+    styles = tuple(s for s in a.styles.split(",") if s)
+    unknown = [s for s in styles if s not in LOOPS]
+    if unknown or not styles:
+        ap.error(f"--styles: unknown {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(STYLES)}")  # fmt: skip
     if a.record and not (a.clean or a.faults):
         ap.error("--record needs --clean N and/or --faults")
     if not (a.record or a.score):
         with tempfile.TemporaryDirectory() as tmp:
             corpus = Path(tmp)
-            record(corpus, plan(corpus, 6, True, a.steps), a.batch)
+            record(corpus, plan(corpus, len(styles), True, a.steps, styles), a.batch)
             print_scores(score_corpus(corpus), a.verbose)
         return 0
     if a.record:
         corpus = Path(a.record)
-        record(corpus, plan(corpus, a.clean, a.faults, a.steps), a.batch)
+        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles), a.batch)
     if a.score:
         corpus = Path(a.score)
         if not corpus.is_dir():

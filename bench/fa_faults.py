@@ -1,11 +1,14 @@
 """Faults injected from OUTSIDE the loop: hooks and a comm hook the launcher adds.
 
-The loops in ``fa_loops.py`` know nothing of faults; a fault is a dict
-(``kind``, ``rank``, ``from`` and its own keys) installed on the model and
-optimizer before the collector attaches (so an optimizer post-hook's flip is
-already in that step's digest), plus an optional DDP communication hook handed
-to ``RankCollector.attach(comm_hook=...)``. ``label()`` writes the ground
-truth in the trace format's ``labels.jsonl`` terms.
+The loops in ``fa_loops.py`` / ``fa_sharded.py`` know nothing of faults; a
+fault is a dict (``kind``, ``rank``, ``from`` and its own keys) installed on
+the loop's model and optimizer before the collector attaches (so an optimizer
+post-hook's flip is already in that step's digest). A slow link is a DDP
+communication hook handed to ``RankCollector.attach(comm_hook=...)`` under
+DDP; under FSDP2 (no comm hooks) it wraps ``torch.distributed``'s
+``reduce_scatter_single``, which FSDP2 calls by name, before the collector
+wraps it in turn. ``label()`` writes the ground truth in the trace format's
+``labels.jsonl`` terms.
 """
 
 from __future__ import annotations
@@ -104,28 +107,72 @@ def _nonfinite(fault: dict, model, clock: StepClock) -> None:
     p.register_hook(hook)
 
 
-def install_fault(fault: dict | None, rank: int, model, opt, clock: StepClock) -> None:
-    """Install ``fault`` when it is this rank's (before ``RankCollector.attach``)."""
+def _nonfinite_output(fault: dict, model, clock: StepClock) -> None:
+    """Sharded parameters' gradients are reduced inside FSDP before any hook of
+    theirs: here one logit of the output layer becomes NaN in the faulty step
+    (so the rank's loss and its local gradients are non-finite)."""
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+
+    def poison(module, args, out):
+        if clock() != fault["from"]:
+            return None
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    head.register_forward_hook(poison)
+
+
+def _slow_reduce_scatter(fault: dict, clock: StepClock):
+    """This rank's first reduce-scatter of each faulty step returns ``delay_s`` late."""
+    orig = dist.reduce_scatter_single
+    slowed: list[int] = []
+
+    def slow(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        step = clock()
+        if _active(fault, step) and step not in slowed:
+            slowed.append(step)
+            time.sleep(fault["delay_s"])
+        return out
+
+    dist.reduce_scatter_single = slow
+
+    def undo() -> None:
+        if dist.reduce_scatter_single is slow:
+            dist.reduce_scatter_single = orig
+
+    return undo
+
+
+def install_fault(fault: dict | None, rank: int, loop, clock: StepClock):
+    """Install ``fault`` on ``loop`` when it is this rank's (after ``loop.wrap()``,
+    before ``RankCollector.attach``); returns what undoes it (after ``close``)."""
     if fault is None or fault["rank"] != rank:
-        return
+        return lambda: None
     kind = fault["kind"]
+    if kind not in loop.faults:
+        raise ValueError(f"fault {kind!r} is not localizable under loop style {loop.style!r}")
     if kind == "straggler":
-        _straggler(fault, model, opt, clock)
+        _straggler(fault, loop.model, loop.opt, clock)
     elif kind == "sdc-param":
-        _sdc_param(fault, model, opt, clock)
+        _sdc_param(fault, loop.model, loop.opt, clock)
     elif kind == "nonfinite":
-        _nonfinite(fault, model, clock)
+        (_nonfinite if loop.ddp else _nonfinite_output)(fault, loop.model, clock)
+    elif kind == "network" and not loop.ddp:
+        return _slow_reduce_scatter(fault, clock)
     elif kind != "network":
         raise ValueError(f"unknown fault kind {kind!r}")
+    return lambda: None
 
 
-def comm_hook_for(fault: dict | None, rank: int, world: int, clock: StepClock):
+def comm_hook_for(fault: dict | None, rank: int, world: int, clock: StepClock, ddp: bool = True):
     """A plain averaging all-reduce hook; a slow link completes ``delay_s`` late here.
 
     The sleep runs in the reduction's completion callback (the comm thread),
     so this rank's later buckets and next step start late: peers wait for it.
     """
-    if fault is None or fault["kind"] != "network" or fault["rank"] != rank:
+    if not ddp or fault is None or fault["kind"] != "network" or fault["rank"] != rank:
         return None
     delay = fault["delay_s"]
 
@@ -144,15 +191,16 @@ def comm_hook_for(fault: dict | None, rank: int, world: int, clock: StepClock):
     return hook
 
 
-def label(fault: dict | None, host: str) -> list[dict]:
-    """``labels.jsonl`` lines for a run (none for a clean run)."""
+def label(fault: dict | None, host: str, ranks: list[int] | None = None) -> list[dict]:
+    """``labels.jsonl`` lines for a run (none for a clean run); ``ranks``: whom the
+    fault is to be blamed on, when that is more than its rank (a tp group)."""
     if fault is None:
         return []
     kind = KINDS[fault["kind"]]
     one_shot = fault["kind"] == "nonfinite"
     lab = {
         "kind": kind,
-        "ranks": [fault["rank"]],
+        "ranks": ranks or [fault["rank"]],
         "hosts": [host],
         "step": fault["from"],
         "until": fault["from"] if one_shot else fault.get("until"),

@@ -1,10 +1,18 @@
-"""Two training loops written the way people write them, NOT rankscope's own harness.
+"""DDP training loops written the way people write them, NOT rankscope's own harness.
 
 ``nanogpt``: a small GPT (token + position embeddings, pre-norm blocks, tied
 head), AdamW with warmup and cosine decay, gradient accumulation with
 ``no_sync`` on the micro-steps, ``clip_grad_norm_`` before the step.
 ``tutorial``: the PyTorch DDP tutorial's shape: an MLP on a ``TensorDataset``
 behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
+``amp``: the AMP recipe on the nanoGPT model: ``autocast`` (float16 on even
+seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
+The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``.
+
+Every loop has ``wrap()`` (the module the collector attaches to; the
+optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
+that can be localized under this wrapping) and ``attributable(kind, rank)``
+(the ranks a fault on ``rank`` is to be blamed on).
 
 Both are pure CPU work (no emulated device time): on a 2-core host shared by 4
 ranks the timings carry real scheduling noise, which is the point.
@@ -17,6 +25,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from fa_sharded import LOOPS as SHARDED
 from torch import nn
 
 __all__ = ["LOOPS", "build_loop"]
@@ -61,12 +70,30 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-class NanoGPTLoop:
+class _DDPLoop:
+    """DDP over the whole world: every rank a replica, so every fault kind is its own."""
+
+    ddp = True
+    topology = None
+    faults = ("straggler", "sdc-param", "nonfinite", "network")
+
+    def wrap(self) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(self.model)
+        self.make_optimizer(ddp)
+        return ddp
+
+    def attributable(self, kind: str, rank: int) -> list[int]:
+        return [rank]
+
+
+class NanoGPTLoop(_DDPLoop):
     """nanoGPT's train.py shape; ``step()`` runs one optimizer step (all micro-steps)."""
 
     style = "nanogpt"
 
-    def __init__(self, rank: int, seed: int, steps: int) -> None:
+    def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
         torch.manual_seed(seed)  # same initial weights on every rank
         self.model = TinyGPT()
         self.block, self.batch, self.accum = 32, 8, 2
@@ -94,6 +121,16 @@ class NanoGPTLoop:
         y = torch.stack([self.data[i + 1 : i + 1 + self.block] for i in ix])
         return x, y
 
+    def _autocast(self):
+        return nullcontext()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _update(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
+        self.opt.step()
+
     def step(self, it: int, rc) -> None:
         for g in self.opt.param_groups:
             g["lr"] = self._lr(it)
@@ -101,20 +138,20 @@ class NanoGPTLoop:
             x, y = self._batch()
             sync = micro == self.accum - 1
             with nullcontext() if sync else self.ddp.no_sync():
-                loss = self.ddp(x, y) / self.accum
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
-        self.opt.step()
-        rc.loss(loss.detach() * self.accum)
+                with self._autocast():
+                    loss = self.ddp(x, y) / self.accum
+                self._backward(loss)
+        self._update()
+        rc.loss(loss.detach().float() * self.accum)
         self.opt.zero_grad(set_to_none=True)
 
 
-class TutorialLoop:
+class TutorialLoop(_DDPLoop):
     """The DDP tutorial's shape: sampler, loader, SGD, MSE; ``step()`` is one batch."""
 
     style = "tutorial"
 
-    def __init__(self, rank: int, seed: int, steps: int) -> None:
+    def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
         from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
         torch.manual_seed(seed)
@@ -149,9 +186,38 @@ class TutorialLoop:
         rc.loss(loss.detach())
 
 
-LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop}
+class AMPLoop(NanoGPTLoop):
+    """The AMP recipe around nanoGPT's step: autocast forward, scaled backward,
+    ``unscale_`` then clip, ``scaler.step`` / ``scaler.update``."""
+
+    style = "amp"
+    # a NaN gradient under AMP is the scaler's business: it skips the step on every
+    # rank and lowers the scale (by design, not a fault), so nonfinite is left out
+    faults = ("straggler", "sdc-param", "network")
+
+    def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
+        super().__init__(rank, world, seed, steps)
+        self.dtype = torch.float16 if seed % 2 == 0 else torch.bfloat16
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=self.dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def _update(self) -> None:
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
 
 
-def build_loop(style: str, rank: int, seed: int, steps: int):
+LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop, **SHARDED, "amp": AMPLoop}
+
+
+def build_loop(style: str, rank: int, world: int, seed: int, steps: int):
     """A fresh loop of ``style`` (its model built with ``seed``, same on every rank)."""
-    return LOOPS[style](rank, seed, steps)
+    if style not in LOOPS:
+        raise ValueError(f"unknown loop style {style!r} (known: {', '.join(LOOPS)})")
+    return LOOPS[style](rank, world, seed, steps)

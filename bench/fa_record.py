@@ -1,11 +1,12 @@
 """Record a batch of runs: 4 real gloo processes, the real collector, file:// sinks.
 
 One ``torch.multiprocessing.spawn`` per batch; inside it each run builds a
-fresh model, wraps it in DDP over the same process group, installs its fault
-(if any) from outside the loop, attaches ``RankCollector`` to its own trace
-folder, trains, closes. Reusing the processes across runs keeps start-up
-(torch import, rendezvous) from eating the 2 shared cores; every run still
-has its own model, optimizer, collector and trace.
+fresh model, wraps it the way its style does (DDP, FSDP2, tensor parallel x
+FSDP2) over the same processes, installs its fault (if any) from outside the
+loop, attaches ``RankCollector`` to its own trace folder, trains, closes.
+Reusing the processes across runs keeps start-up (torch import, rendezvous)
+from eating the 2 shared cores; every run still has its own model,
+optimizer, collector and trace.
 """
 
 from __future__ import annotations
@@ -30,29 +31,30 @@ def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> Non
     torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 default gives
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from rankscope.collectors import RankCollector
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     try:
         for run in runs:
             fault = run.get("fault")
-            loop = build_loop(run["style"], rank, run["seed"], run["steps"])
-            ddp = DDP(loop.model)
-            opt = loop.make_optimizer(ddp)
+            loop = build_loop(run["style"], rank, world, run["seed"], run["steps"])
+            module = loop.wrap()
             clock = StepClock()
-            install_fault(fault, rank, loop.model, opt, clock)
+            undo = install_fault(fault, rank, loop, clock)
             folder = Path(out) / run["name"]
             rc = RankCollector.attach(
-                ddp, opt, job=run["name"], sink=f"file://{folder}", host=HOST,
-                comm_hook=comm_hook_for(fault, rank, world, clock),
+                module, loop.opt, job=run["name"], sink=f"file://{folder}", host=HOST,
+                topology=loop.topology,
+                comm_hook=comm_hook_for(fault, rank, world, clock, loop.ddp),
             )  # fmt: skip
             clock.rc = rc
             for it in range(run["steps"]):
                 loop.step(it, rc)
             rc.close()
+            undo()
             dist.barrier()
             if rank == 0:
+                ranks = loop.attributable(fault["kind"], fault["rank"]) if fault else None
                 with open(folder / "labels.jsonl", "w") as fh:
-                    for lab in label(fault, HOST):
+                    for lab in label(fault, HOST, ranks):
                         fh.write(json.dumps(lab) + "\n")
                 meta = {"generator": "bench_false_alarms", "world": world, **run}
                 (folder / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -1,9 +1,12 @@
 """Score a recorded corpus: replay every run through the engine, count what came out.
 
 Clean runs (an empty ``labels.jsonl``): findings per 100 runs by action and
-kind. Fault runs: recall (a finding of the right kind on exactly the right
-ranks and host, ``pipeline/offline/evaluate.matches``), detection latency in
-steps, and the findings on any other rank (false ones).
+kind, and by style. Fault runs, per fault and loop style (and over all
+styles): recall (a finding of the right kind on exactly the labelled ranks
+and host, ``pipeline/offline/evaluate.matches``; the label names whom the
+style lets a fault be blamed on, e.g. a tp group for a NaN under tensor
+parallel), detection latency in steps, and the findings on any other rank
+(false ones).
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def score_corpus(corpus: Path) -> dict:
                                f"rule={f.evidence.get('rule', '')}")  # fmt: skip
             continue
         for lab in labels:
-            fs = faults[_fault_name(run, lab)]
+            name = _fault_name(run, lab)
+            fs = faults[(name, style)]
             fs["runs"] += 1
             if lab["kind"] == "straggler":
                 ratio = _compute_ratio(run, lab["ranks"][0], lab["step"])
@@ -103,6 +107,25 @@ def score_corpus(corpus: Path) -> dict:
             "faults": faults, "details": details, "bad": report.bad}  # fmt: skip
 
 
+def _merged(rows) -> dict:
+    out = {"runs": 0, "found": 0, "lat": [], "other": Counter(), "ratio": [], "early": 0,
+           "split": 0}  # fmt: skip
+    for fs in rows:
+        for k, v in fs.items():
+            out[k] += v
+    return out
+
+
+def _print_fault(name: str, style: str, fs: dict) -> None:
+    rec = fs["found"] / fs["runs"] if fs["runs"] else float("nan")
+    med = statistics.median(fs["lat"]) if fs["lat"] else float("nan")
+    mx = max(fs["lat"]) if fs["lat"] else float("nan")
+    other = ", ".join(f"{a}/{k} {c}" for (a, k), c in sorted(fs["other"].items())) or "-"
+    meas = f"{statistics.median(fs['ratio']):7.2f}x" if fs["ratio"] else "       -"
+    print(f"  {name:16s} {style:9s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas} "
+          f"{fs['early']:5d} {fs['split']:5d}  {other}")  # fmt: skip
+
+
 def print_scores(s: dict, verbose: bool = False) -> None:
     n = sum(s["clean_runs"].values())
     print(f"clean runs: {n} ({', '.join(f'{k} {v}' for k, v in sorted(s['clean_runs'].items()))})")
@@ -122,17 +145,15 @@ def print_scores(s: dict, verbose: bool = False) -> None:
         print(f"  {style:9s} evict {100 * c['evict'] / runs:6.1f}  recover "
               f"{100 * c['recover'] / runs:6.1f}  observe {100 * c['observe'] / runs:6.1f}"
               f"  per 100 runs")  # fmt: skip
-    print("injected faults (recall: right kind on exactly its rank; latency in steps):")
-    print(f"  {'fault':16s} {'runs':>4s} {'recall':>7s} {'lat med':>7s} {'lat max':>7s} "
-          f"{'measured':>8s} {'early':>5s} {'split':>5s}  others")  # fmt: skip
-    for name, fs in sorted(s["faults"].items()):
-        rec = fs["found"] / fs["runs"] if fs["runs"] else float("nan")
-        med = statistics.median(fs["lat"]) if fs["lat"] else float("nan")
-        mx = max(fs["lat"]) if fs["lat"] else float("nan")
-        other = ", ".join(f"{a}/{k} {c}" for (a, k), c in sorted(fs["other"].items())) or "-"
-        meas = f"{statistics.median(fs['ratio']):7.2f}x" if fs["ratio"] else "       -"
-        print(f"  {name:16s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas} "
-              f"{fs['early']:5d} {fs['split']:5d}  {other}")  # fmt: skip
+    print("injected faults (recall: right kind on exactly its ranks; latency in steps):")
+    print(f"  {'fault':16s} {'style':9s} {'runs':>4s} {'recall':>7s} {'lat med':>7s} "
+          f"{'lat max':>7s} {'measured':>8s} {'early':>5s} {'split':>5s}  others")  # fmt: skip
+    for name in sorted({n for n, _ in s["faults"]}):
+        rows = {st: fs for (n, st), fs in s["faults"].items() if n == name}
+        if len(rows) > 1:
+            _print_fault(name, "all", _merged(rows.values()))
+        for style, fs in sorted(rows.items()):
+            _print_fault(name if len(rows) == 1 else "", style, fs)
     print("  (measured: the faulty rank's compute over its peers' median during the fault;"
           " early: runs whose\n   finding starts before the fault; split: runs where the"
           " fault came out as several findings)")

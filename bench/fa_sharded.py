@@ -1,0 +1,198 @@
+"""torchtitan-like loops for the false-alarm bench: FSDP2 and DTensor tensor parallel.
+
+The model is a small Llama the way torchtitan writes it (RMSNorm, attention
+with separate ``wq/wk/wv/wo`` whose heads are viewed with ``-1`` so a tensor-
+parallel shard holds whole heads, SwiGLU ``w1/w2/w3``, untied output).
+
+``fsdp2``: ``fully_shard`` per block, then the root, on a 1-D mesh of the
+world; AdamW with warmup and cosine decay (``LambdaLR``), ``clip_grad_norm_``.
+``tp``: a ``(dp, tp)`` mesh with tp = 2: ``wq/wk/wv``, ``w1/w3`` column-wise and
+``wo``, ``w2`` row-wise inside each block (torchtitan's plan without sequence
+parallel), then FSDP2 over ``dp``; tp partners train on the same batch. No
+clipping: torch's ``clip_grad_norm_`` refuses parameters on two meshes.
+
+Pure CPU work, as the DDP loops: no emulated device time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LOOPS"]
+
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 256, 128, 4, 384, 2, 64, 4
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallel this rank holds DIM / tp of the columns
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.RMSNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _warmup_cosine(steps: int, warmup: int = 4):
+    def factor(it: int) -> float:
+        if it < warmup:
+            return (it + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (it - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+class _TitanLoop:
+    """What both styles share: data per data-parallel rank, the step, the schedule."""
+
+    ddp = False
+    clip = True
+
+    def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
+        torch.manual_seed(seed)  # same initial weights everywhere: fully_shard keeps shards
+        self.model = TinyLlama()
+        self.rank, self.world, self.seed, self.steps = rank, world, seed, steps
+        self.topology = None
+
+    def _finish(self, dp_rank: int) -> nn.Module:
+        self.gen = torch.Generator().manual_seed(self.seed * 1000 + dp_rank)
+        self.data = torch.randint(0, VOCAB, (20_000,), generator=self.gen)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1,
+                                     betas=(0.9, 0.95))  # fmt: skip
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(self.steps))
+        return self.model
+
+    def step(self, it: int, rc) -> None:
+        ix = torch.randint(len(self.data) - SEQ - 1, (BATCH,), generator=self.gen)
+        x = torch.stack([self.data[i : i + SEQ] for i in ix])
+        y = torch.stack([self.data[i + 1 : i + 1 + SEQ] for i in ix])
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        rc.loss(loss.detach())
+        self.opt.zero_grad()
+
+
+class FSDP2Loop(_TitanLoop):
+    """torchtitan's data-parallel shard: ``fully_shard`` per block, then the root."""
+
+    style = "fsdp2"
+    # nothing is replicated (every rank holds a different shard): a flipped weight
+    # has no replica to disagree with, so sdc-param is not attributable here
+    faults = ("straggler", "network", "nonfinite")
+
+    def wrap(self) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (self.world,))
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        return self._finish(self.rank)
+
+    def attributable(self, kind: str, rank: int) -> list[int]:
+        return [rank]
+
+
+class TPLoop(_TitanLoop):
+    """torchtitan's 2-D parallelism: tensor parallel 2 inside the blocks, FSDP2 over dp."""
+
+    style = "tp"
+    tp = 2
+    clip = False
+    faults = ("straggler", "network", "nonfinite")
+
+    def wrap(self) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        if self.world % self.tp:
+            raise ValueError(f"tp style: world {self.world} is not a multiple of tp {self.tp}")
+        mesh = init_device_mesh("cpu", (self.world // self.tp, self.tp),
+                                mesh_dim_names=("dp", "tp"))  # fmt: skip
+        plan = {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }  # fmt: skip
+        for layer in self.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(self.model, mesh=mesh["dp"])
+        self.topology = mesh
+        return self._finish(mesh["dp"].get_local_rank())
+
+    def attributable(self, kind: str, rank: int) -> list[int]:
+        """A non-finite value spreads to the tp partners in the same step (the row-wise
+        all-reduce in forward, the column-wise one in backward): its origin is the tp
+        group, one replica of the model. Slowness stays the rank's own."""
+        if kind == "nonfinite":
+            first = rank - rank % self.tp
+            return list(range(first, first + self.tp))
+        return [rank]
+
+
+LOOPS = {"fsdp2": FSDP2Loop, "tp": TPLoop}
