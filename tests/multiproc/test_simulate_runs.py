@@ -158,7 +158,11 @@ def test_hang_is_ended_after_beats_show_who_is_blocked(tmp_path):
     _, steps, beats = _load(tmp_path)
     assert max(steps) == 5 and sorted(steps[5]) == [0, 1, 2, 3]
     hung = [b for b in beats[2] if b["step"] == 6]
-    assert len(hung) >= 4 and all(b["phase"] == "forward" for b in hung)
+    # a beat may come between the step's start (phase "data") and its first forward
+    # (CI: 13 beats at step 6, not all "forward"); once in forward the rank stays there
+    first = next(i for i, b in enumerate(hung) if b["phase"] == "forward")
+    assert first <= 2, [b["phase"] for b in hung]
+    assert len(hung[first:]) >= 4 and all(b["phase"] == "forward" for b in hung[first:])
     for r in (0, 1, 3):
         waiting = [b for b in beats[r] if b["step"] == 6]
         assert len(waiting) >= 4
