@@ -99,6 +99,13 @@ class _TitanLoop:
     ddp = False
     clip = True
 
+    def attributable(self, kind: str, rank: int) -> list[int]:
+        """Every fault is the rank's own. Under tp the poisoned logit makes this rank's
+        loss non-finite while its partner's stays finite (the output layer runs after
+        the last forward all-reduce), and the partner's gradients go non-finite only in
+        backward: the origin is still the rank."""
+        return [rank]
+
     def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
         torch.manual_seed(seed)  # same initial weights everywhere: fully_shard keeps shards
         self.model = TinyLlama()
@@ -146,9 +153,6 @@ class FSDP2Loop(_TitanLoop):
         fully_shard(self.model, mesh=mesh)
         return self._finish(self.rank)
 
-    def attributable(self, kind: str, rank: int) -> list[int]:
-        return [rank]
-
 
 class TPLoop(_TitanLoop):
     """torchtitan's 2-D parallelism: tensor parallel 2 inside the blocks, FSDP2 over dp."""
@@ -184,15 +188,6 @@ class TPLoop(_TitanLoop):
         fully_shard(self.model, mesh=mesh["dp"])
         self.topology = mesh
         return self._finish(mesh["dp"].get_local_rank())
-
-    def attributable(self, kind: str, rank: int) -> list[int]:
-        """A non-finite value spreads to the tp partners in the same step (the row-wise
-        all-reduce in forward, the column-wise one in backward): its origin is the tp
-        group, one replica of the model. Slowness stays the rank's own."""
-        if kind == "nonfinite":
-            first = rank - rank % self.tp
-            return list(range(first, first + self.tp))
-        return [rank]
 
 
 LOOPS = {"fsdp2": FSDP2Loop, "tp": TPLoop}

@@ -75,3 +75,22 @@ class StepFrame:
         """End of the step: the latest rank's ``t``."""
         ts = self.m["t"]
         return float(np.nanmax(ts)) if ts.size and not np.all(np.isnan(ts)) else float("nan")
+
+
+def work_group(frame: StepFrame) -> np.ndarray:
+    """Group ids of ranks that do the same work: coordinates equal except ``dp`` and ``tp``.
+
+    Tensor-parallel shards split every matmul evenly, so a rank's compute is comparable
+    with its tp partners' as well as its dp peers'; a dp 2 x tp 2 job then has four peers
+    to outvote one slow rank instead of two that cannot. Pipeline stages and experts do
+    different work and stay apart. Without tp this is ``frame.group``.
+    """
+    tp = frame.coords.get("tp")
+    if tp is None or not tp.size or not tp.any():
+        return frame.group
+    key = np.zeros(frame.n, dtype=np.int64)
+    for c in COORD_NAMES:
+        if c not in ("dp", "tp"):
+            v = frame.coords[c]
+            key = key * (int(v.max()) + 1 if v.size else 1) + v
+    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)

@@ -151,8 +151,10 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
         state.skips = 0
     state.open = True
     state.origin_step = frame.step
+    downstream = np.zeros(0, dtype=np.int64)
     if local_bad.any():
         basis, rows = "local_grad", np.flatnonzero(local_bad)
+        rows, downstream = _forward_first(frame, rows, loss_bad)
     elif loss_bad.any():
         basis, rows = "loss", np.flatnonzero(loss_bad)
     elif overflow.any() or reduced_bad.sum() * 2 < n:
@@ -177,6 +179,7 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
         "nonfinite": [num(v) for v in nf[rows[:16]]],
         "grad_norm": [num(v) for v in g[rows[:16]]],
         "ranks_with_nonfinite_reduced": int(reduced_bad.sum()),
+        "backward_only": [int(r) for r in frame.rank[downstream[:16]]],
         "ranks_reporting": n,
     }
     out.signals.append(
@@ -191,6 +194,21 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
         )
     )
     return out
+
+
+def _forward_first(frame: StepFrame, rows: np.ndarray, loss_bad: np.ndarray):
+    """Of the ranks with non-finite local gradients, drop those whose loss was finite
+    when another of them had a non-finite loss: their forward was clean, so the NaN
+    reached them in backward (a tensor-parallel partner's all-reduce, a pipeline
+    stage's gradient). Ranks that report no loss stay (an earlier pipeline stage may
+    be the origin). Returns (rows kept, rows dropped)."""
+    loss = frame.m.get("loss")
+    if loss is None or not loss_bad[rows].any():
+        return rows, np.zeros(0, dtype=np.int64)
+    clean_fwd = np.isfinite(loss[rows])
+    if not clean_fwd.any():
+        return rows, np.zeros(0, dtype=np.int64)
+    return rows[~clean_fwd], rows[clean_fwd]
 
 
 CONFIG = NonfiniteConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.frame import StepFrame, work_group
 from rankscope.detectors.gpu.readings import gpu_context
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
@@ -101,7 +101,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     n = frame.n
     if n == 0:
         return out
-    idx = state.peers.get(frame.group)
+    idx = state.peers.get(work_group(frame))  # tp partners do the same work as dp peers
     x = readings(frame, cfg.metrics)
     c = peer_consensus(idx, x)
     out.scores = c.scores(cfg.metrics)

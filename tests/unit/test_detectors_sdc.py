@@ -160,6 +160,29 @@ def test_nonfinite_blames_local_origin_once_per_incident():
     assert restored.state_dict() == state.state_dict()
 
 
+def test_nonfinite_loss_names_the_origin_not_the_partner_it_spread_to():
+    """tp: rank 1's loss went NaN, its partner's loss is finite but its gradient took the
+    NaN in backward: rank 1 is the origin. A stage that reports no loss stays named (it
+    may be the origin under pipelining)."""
+    lay = layout(2, 2, 1)
+    ok = {"grad_norm": np.ones(4), "grad_norm_reduced": np.ones(4), "nonfinite": np.zeros(4),
+          "loss": np.full(4, 2.0)}
+    bad = {"grad_norm": np.array([np.nan, np.nan, 1.0, 1.0]), "nonfinite": np.array([5, 9, 0, 0]),
+           "grad_norm_reduced": np.full(4, np.nan), "loss": np.array([2.0, np.nan, 2.0, 2.0])}
+    outs, _ = run(nonfinite_origin, [make_frame(lay, i, m) for i, m in enumerate([ok, ok, bad])])
+    sig = outs[2].signals[0]
+    assert sig.ranks == (1,) and not sig.unattributed
+    assert sig.evidence["backward_only"] == [0]
+    lay = layout(3, 1, 2)  # stage 0 (ranks 0-2) reports no loss; rank 5 of stage 1 went NaN
+    ok = {"grad_norm": np.ones(6), "grad_norm_reduced": np.ones(6), "nonfinite": np.zeros(6),
+          "loss": np.array([np.nan] * 3 + [2.0] * 3)}
+    bad = {"grad_norm": np.array([1.0, 1.0, np.nan, 1.0, 1.0, np.nan]),
+           "nonfinite": np.array([0, 0, 4, 0, 0, 8]), "grad_norm_reduced": np.full(6, np.nan),
+           "loss": np.array([np.nan] * 5 + [np.inf])}
+    outs, _ = run(nonfinite_origin, [make_frame(lay, i, m) for i, m in enumerate([ok, ok, bad])])
+    assert outs[2].signals[0].ranks == (2, 5)
+
+
 def test_a_step_the_grad_scaler_skipped_is_not_an_incident_unless_it_repeats():
     """AMP: one rank's overflow on a skipped step is loss-scale backoff, not a fault;
     the same origin on handled_skips skipped steps in a row is."""

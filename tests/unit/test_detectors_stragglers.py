@@ -88,7 +88,8 @@ def test_finds_125x_straggler_within_3_steps_and_only_it():
     assert sig.kind == "straggler" and sig.severity == "persistent"
     ev = sig.evidence
     assert ev["metric"] == "compute_s" and ev["value"] > 1.15 * ev["peer_median"]
-    assert len(ev["peers"]) == 7 and ev["history_median"] is not None
+    # its peers: the 15 others of its stage (8 dp x 2 tp; tp shards do the same work)
+    assert len(ev["peers"]) == 15 and ev["history_median"] is not None
 
 
 def test_stage_imbalance_seq_noise_and_few_percent_slower_are_not_blamed():
@@ -116,6 +117,20 @@ def test_two_peers_disagreeing_is_unattributed():
     assert not blamed(outs, attributed=True)
     sigs = [s for o in outs for s in o.signals]
     assert sigs and all(s.unattributed and set(s.ranks) == {0, 1} for s in sigs)
+
+
+def test_tp_partners_outvote_a_slow_rank_of_a_dp2_x_tp2_job():
+    """dp 2 x tp 2: a rank's dp group has one other member, but its tp partner does the
+    same work, so four ranks vote and the slow one is named; stages stay apart."""
+    rng = np.random.default_rng(14)
+    lay = layout(2, 2, 1)
+    outs, _ = run(S, timing_frames(lay, 30, rng, slow=1, factor=1.5, onset=12))
+    assert {r for _, r in blamed(outs)} == {1}
+    assert min(i for i, _ in blamed(outs)) <= 14
+    assert not blamed(outs, attributed=False)
+    lay = layout(2, 2, 2)  # stage 1 computes 25% longer than stage 0 (timing_frames)
+    outs, _ = run(S, timing_frames(lay, 30, rng))
+    assert not any(o.signals for o in outs)
 
 
 def test_half_of_group_slow_is_not_attributed():
