@@ -81,6 +81,10 @@ class EngineConfig:
     """Severity and duration -> evict / recover / observe."""
     merge_gap_steps: int = 2
     """A signal within this many steps of an incident's last step continues it."""
+    reopen_gap_steps: int = 8
+    """A slowness signal on the same ranks whose onset is within this many steps of a
+    closed incident's last step reopens it (hysteresis: a mild straggler on a noisy host
+    drops below its thresholds for a few steps and is still one finding)."""
     report_transient: bool = False
     """Also report unconfirmed transient deviations as findings (they always reach scores)."""
     score_cells_per_step: int = 1024
@@ -94,6 +98,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.merge_gap_steps < 1:
             raise ValueError(f"merge_gap_steps must be >= 1, got {self.merge_gap_steps}")
+        if self.reopen_gap_steps < self.merge_gap_steps:
+            raise ValueError("reopen_gap_steps must be >= merge_gap_steps")
         if self.score_cells_per_step < 1:
             raise ValueError(f"score_cells_per_step must be >= 1, got {self.score_cells_per_step}")
 
@@ -147,6 +153,7 @@ class _JobRun:
             job,
             cfg.policy,
             merge_gap_steps=cfg.merge_gap_steps,
+            reopen_gap_steps=cfg.reopen_gap_steps,
             report_transient=cfg.report_transient,
             job_hosts=job_hosts,
         )

@@ -6,7 +6,9 @@ an open incident of its kind with exactly its ranks, else one whose ranks
 overlap (a fault flickering between "ranks 3 and 5" and "rank 3" is still one
 incident), else it opens a new one. An incident closes when
 ``merge_gap_steps`` steps pass without a signal; a later signal then opens a
-new incident (and a new finding). A ``degraded`` slowness incident (too mild
+new incident (and a new finding), except a slowness signal on the same ranks
+whose onset is within ``reopen_gap_steps`` of its end: that reopens it
+(hysteresis through a mild fault's quiet steps). A ``degraded`` slowness incident (too mild
 to act on, ``policy.degraded``) is kept after it goes quiet: a later mild
 signal on the same ranks reopens it, so a rank persistently a little slow is
 ONE observe finding, not a string of them.
@@ -116,12 +118,14 @@ class IncidentTracker:
         policy: PolicyConfig,
         *,
         merge_gap_steps: int = 2,
+        reopen_gap_steps: int = 8,
         report_transient: bool = False,
         job_hosts: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self.job = job
         self.policy = policy
         self.merge_gap_steps = merge_gap_steps
+        self.reopen_gap_steps = max(reopen_gap_steps, merge_gap_steps)
         self.report_transient = report_transient
         self.job_hosts = job_hosts  # every host of the job (the one-host evict note)
         self._open: list[_Incident] = []
@@ -149,7 +153,8 @@ class IncidentTracker:
                 self._open.append(dormant)  # the same mild slowness again: the same finding
                 return dormant
             closed = self._closed.get((sig.kind, tuple(sorted(ranks))))
-            if closed is not None and _onset(sig, step) <= closed.last_step + self.merge_gap_steps:
+            gap = self.reopen_gap_steps if sig.kind in SLOWNESS_KINDS else self.merge_gap_steps
+            if closed is not None and _onset(sig, step) <= closed.last_step + gap:
                 del self._closed[(sig.kind, tuple(sorted(ranks)))]  # its onset says it never
                 self._open.append(closed)  # ended: one incident, one finding
                 return closed

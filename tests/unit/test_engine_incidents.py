@@ -96,6 +96,28 @@ def test_incidents_merge_consecutive_and_overlapping_steps_and_split_after_a_gap
     assert fs[0].detected_step == 10 and fs[0].hosts == ["h0", "h1"]
 
 
+def test_a_mild_straggler_quiet_for_a_few_steps_stays_one_finding():
+    """Hysteresis: a slowness signal on the same rank within reopen_gap_steps of the
+    incident's end reopens it (a 1.25x straggler on a noisy host, bench_false_alarms);
+    past that, or for another kind, a new incident begins."""
+
+    def run(kind, gap, reopen=8):
+        tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2, reopen_gap_steps=reopen)
+        for s in range(10, 16):
+            tr.update(s, float(s), [_sig([3], kind=kind, step_ev=2 if s == 10 else None)], _hosts)
+        back = 15 + gap
+        for s in range(16, back):
+            tr.update(s, float(s), [], _hosts)
+        tr.update(back, float(back), [_sig([3], kind=kind, step_ev=1)], _hosts)
+        return sorted((f.first_step, f.last_step) for f in tr.findings.values())
+
+    assert run("straggler", 6) == [(9, 21)]
+    assert run("network", 8) == [(9, 23)]
+    assert run("straggler", 10) == [(9, 15), (25, 25)]
+    assert run("straggler", 6, reopen=2) == [(9, 15), (21, 21)]
+    assert run("gpu", 6) == [(9, 15), (21, 21)]
+
+
 def test_transient_signals_are_not_findings_but_unattributed_ones_are_reported():
     tr = IncidentTracker("j", PolicyConfig())
     assert tr.update(1, 1.0, [_sig([2], severity="transient")], _hosts) == []
@@ -158,6 +180,7 @@ def test_policy_refuses_unknown_severity():
         (PolicyConfig, {"evict_slowdown": 1.0}),
         (PolicyConfig, {"job_slowdown_z": 0}),
         (EngineConfig, {"merge_gap_steps": 0}),
+        (EngineConfig, {"merge_gap_steps": 3, "reopen_gap_steps": 2}),
         (EngineConfig, {"score_cells_per_step": 0}),
     ],
 )
