@@ -337,6 +337,7 @@ class RankCollector:
                 self._join_digest()  # rc.step() loops: the optimizer runs after backward
             if st.first_forward_perf is None:
                 st.first_forward_perf = time.perf_counter()
+                st.comm_before_forward_s = st.comm_s  # not input: data_s leaves it out
                 if self._timing is not None:
                     self._timing.step_begin()
             if not self._tokens_reported:

@@ -27,7 +27,9 @@ def pending_record(st: StepState, *, digest: Any, lr: Any, skipped: bool) -> dic
     """The pending record of the step in progress (training thread, no device waits)."""
     now = time.perf_counter()
     step_s = now - st.step_start_perf
-    data_s = 0.0 if st.first_forward_perf is None else st.first_forward_perf - st.step_start_perf
+    data_s = 0.0
+    if st.first_forward_perf is not None:  # time in collectives before it is comm_s alone
+        data_s = max(0.0, st.first_forward_perf - st.step_start_perf - st.comm_before_forward_s)
     comm_s = min(st.comm_s + st.backward_wait_s(), max(0.0, step_s - data_s))
     scale = st.loss_scale
     # with DDP buckets, a norm the loop's clipping took is the reduced one (after unscale_)

@@ -9,7 +9,9 @@ training thread.
 Time accounting on the training thread (``time.perf_counter``):
 
 * ``data_s``: from the end of the previous step (or attach) to the first
-  forward of this step: the loop waiting for its input.
+  forward of this step, less the time inside collectives in between (FSDP2's
+  root all-gather before the forward pre-hook, a pipeline stage's receive of
+  its input activations): the loop waiting for its input.
 * ``comm_s``: time the training thread was inside collectives: inside the
   DDP communication hook's launch, waiting at the end of backward for the
   gradient all-reduce to finish, and inside explicit ``torch.distributed``
@@ -48,6 +50,7 @@ class StepState:
     step_start_perf: float = field(default_factory=time.perf_counter)
     first_forward_perf: float | None = None
     comm_s: float = 0.0
+    comm_before_forward_s: float = 0.0  # of comm_s, what came before the first forward
     # DDP buckets of this backward
     buckets: int = 0
     buckets_prev_step: int = 0
@@ -102,6 +105,7 @@ class StepState:
         self.step_start_perf = now_perf
         self.first_forward_perf = None
         self.comm_s = 0.0
+        self.comm_before_forward_s = 0.0
         if self.buckets:
             self.buckets_prev_step = self.buckets
         self.buckets = 0
