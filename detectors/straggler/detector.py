@@ -26,6 +26,7 @@ from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.lead import lead_hits
+from rankscope.detectors.straggler.pair import pair_named
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
@@ -76,8 +77,9 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead")  # fmt: skip
-    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead")
+                 "lead", "pair_named")  # fmt: skip
+    PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
+             "pair_named")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -88,6 +90,7 @@ class StragglerState(PartsState):
         self.window = make_window(cfg)
         self.tokens = TokenModel()
         self.lead = StreakCounter()  # steps in a row a rank led its group (straggler/lead.py)
+        self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
@@ -122,6 +125,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             slow[cfg.metrics.index(cfg.window_metric)] |= win.step_hit
         hit = slow & strict_majority(idx, slow, c.count) if slow.any() else slow
         pair = np.zeros_like(hit)
+        named = np.zeros_like(hit)  # pair rows their histories single out (straggler/pair.py)
         if few and (c.count == 2).any():
             low = group_min(idx, x)
             pair = (c.count == 2) & (x > cfg.min_ratio * low) & (x - low > floor)
@@ -129,14 +133,15 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             # for itself too, or it is only the job's noise
             for i, rows in ((i, np.flatnonzero(pair[i])) for i in range(len(cfg.metrics))):
                 if rows.size:
-                    limit, _ = state.history.slow_limit(
+                    limit, hmed = state.history.slow_limit(
                         frame.rank[rows],
                         cfg.metrics[i],
                         ratio=cfg.history_ratio,
                         k_sigma=cfg.history_k_sigma,
                         min_count=cfg.history_min_steps,
                     )
-                    pair[i, rows] = x[i, rows] > limit
+                    named[i, rows] = pair_named(frame, idx, state, cfg, i, rows, x, hmed)
+                    pair[i, rows] = (x[i, rows] > limit) | named[i, rows]
         for i in np.flatnonzero(single.any(axis=1)):
             rows = np.flatnonzero(single[i])
             limit, hmed = state.history.slow_limit(
@@ -152,9 +157,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     lead, lead_run = _leading(frame, idx, c, state, cfg)
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
-    victims = _victims(frame, c, hit, win, state, cfg)
+    victims = _victims(frame, c, hit | pair, win, state, cfg)
     if victims.any():  # a partner stage's slowness, not its own: the step does not count
         hit[:, victims] = False
+        pair[:, victims] = False
+        named[:, victims] = False
         lead &= ~victims
     dev = hit.any(axis=0)
     sped_up = _sped_up_of(frame, idx, c, state, cfg)
@@ -180,10 +187,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     pair_any = pair.any(axis=0)
-    if not (pair_any.any() or state.pair_streak.count.any()):
+    if not (pair_any.any() or state.pair_streak.count.any() or state.pair_named.count.any()):
         return out
     pprev = state.pair_streak.peek(frame.rank)
     pstreak = state.pair_streak.update(frame.rank, pair_any, leaky=True)
+    held = state.pair_named.update(frame.rank, (named & pair).any(axis=0), leaky=True)
     pneed = required_streak(state.pair_rate, pprev, pair_any, n, cfg)
     done: set[int] = set()
     for row in np.flatnonzero(pair_any & (pstreak >= pneed)):
@@ -193,6 +201,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             continue
         done.add(key)
         i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
+        if named[i, row] or held[row]:
+            out.signals.append(_pair_signal(frame, idx, x, i, int(row), members, state, cfg,
+                                            int(pstreak[row])))  # fmt: skip
+            continue
         out.signals.append(
             Signal(
                 kind="straggler",
@@ -212,6 +224,32 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             )
         )
     return out
+
+
+def _pair_signal(frame, idx, x, i, row, members, state, cfg, streak) -> Signal:
+    """The slower of two peers, named on its own history (straggler/pair.py)."""
+    other = members[members != row]
+    _, hmed, _ = state.history.assess(frame.rank[[row]], cfg.metrics[i])
+    return Signal(
+        kind="straggler",
+        ranks=(int(frame.rank[row]),),
+        detector=NAME,
+        score=float(x[i, row] / x[i, other[0]]),
+        severity="persistent",
+        evidence=metric_evidence(
+            cfg.metrics[i],
+            x[i, row],
+            x[i, other[0]],
+            x[i, other],
+            history_median=hmed[0],
+            rule="pair",
+            ratio=float(x[i, row] / x[i, other[0]]),
+            reason="two peers: it slowed down against its own history, the other did not "
+            "and waited for it",
+            streak_steps=streak,
+            **({"gpu": g} if (g := gpu_context(frame, row)) else {}),
+        ),
+    )
 
 
 def _leading(frame, idx, c, state, cfg) -> np.ndarray:

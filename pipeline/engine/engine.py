@@ -107,20 +107,27 @@ class EngineConfig:
 def clean_mask(frame: StepFrame, signals: list[Signal]) -> np.ndarray:
     """Rows that may teach baselines: named by no signal, every reported reading finite.
 
-    A column counts when at least one row of the step reports it, so a rank
-    that lost a reading its peers have (NaN) is not clean; a column nobody
-    reports is ignored. ``nonfinite > 0`` is never clean.
+    A column counts for a row when some row of its peer group reports it, so a
+    rank that lost a reading its peers have (NaN) is not clean; a column its
+    group does not report is ignored (under pipelining only the last stage
+    reports ``loss`` and only the first ``tokens``: each stage still learns).
+    ``nonfinite > 0`` is never clean.
     """
     named = [r for s in signals for r in s.ranks]
     clean = ~np.isin(frame.rank, np.asarray(named, dtype=np.int64)) if named else np.ones(
         frame.n, dtype=bool
     )
+    group = None
     for name, col in frame.m.items():
         if name in ("t", "dropped", "nonfinite_named"):
             continue
         fin = np.isfinite(col)
-        if fin.any():
-            clean &= fin
+        if fin.all() or not fin.any():
+            continue
+        if group is None:
+            group = np.asarray(frame.group, dtype=np.int64)
+        reported = np.bincount(group, weights=fin) > 0  # per group: some row has it
+        clean &= fin | ~reported[group]
     nonfinite = frame.m.get("nonfinite")
     if nonfinite is not None:
         with np.errstate(invalid="ignore"):

@@ -199,6 +199,19 @@ def test_clean_mask_excludes_named_and_non_finite_rows():
     assert mask.tolist() == [True, False, True, True, False, True, False, True]
 
 
+def test_clean_mask_ignores_a_column_the_rows_peer_group_does_not_report():
+    """Pipelining: only the last stage reports loss, only the first tokens; each stage
+    must still learn (its peers' histories break two-peer ties, straggler/pair.py)."""
+    asm = StepAssembler()
+    asm.add_records(make_records(steps=1))
+    (frame,) = asm.ready()
+    frame.group = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    frame.m["loss"][:4] = np.nan  # stage 0 reports no loss
+    frame.m["tokens"] = np.array([256.0] * 4 + [np.nan] * 4)  # stage 1 gets activations
+    frame.m["loss"][6] = np.nan  # a stage-1 rank that lost its loss reading is not clean
+    assert clean_mask(frame, []).tolist() == [True] * 6 + [False, True]
+
+
 class _Monitor:
     """A hang monitor double: says rank 2 is hung once its beats stop."""
 

@@ -1,0 +1,49 @@
+"""Two peers: which one is the straggler, when their own histories say so.
+
+Two members of a peer group cannot outvote each other (a stage of a pp 2 x dp 2
+job, a dp 2 job): the slower one is slow against the other, and the other is
+fast against it. Their own histories break the tie. The slower one is named
+when it is at least ``history_ratio`` over its own clean median, the other is
+under ``history_ratio`` over its own and short of the slower one's own ratio by
+``min_ratio`` (it did not slow down as well: a job-wide slowdown moves both),
+and the other waited for it (its ``comm_s`` over the slower one's by
+``lead_wait_frac`` of the gap, where ``comm_s`` is reported): a rank that merely
+computed more because a crowded host moved CPU time to it makes nobody wait.
+Such steps count toward the pair streak like the others (its chance rate
+decides how many in a row it takes); a rank named so stays named while its pair
+keeps flagging it and its leaky count of named steps lasts (the detector's
+``pair_named``). Otherwise the pair stays unattributed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.stats.peers import PeerIndex
+
+__all__ = ["pair_named"]
+
+
+def _other(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
+    """The other member of each row's two-member group."""
+    total = np.bincount(idx.row_gid, weights=np.arange(idx.n, dtype=np.float64),
+                        minlength=idx.n_groups)  # fmt: skip
+    return (total[idx.row_gid[rows]] - rows).astype(np.int64)
+
+
+def pair_named(frame: StepFrame, idx: PeerIndex, state, cfg, i: int, rows: np.ndarray,
+               x: np.ndarray, hmed: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Of ``rows`` (the slower of two peers on metric ``i``; ``hmed`` their clean
+    medians), those their own histories and their peers' waits single out."""
+    other = _other(idx, rows)
+    count, ohmed, _ = state.history.assess(frame.rank[other], cfg.metrics[i])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own, theirs = x[i, rows] / hmed, x[i, other] / ohmed
+        ok = (count >= cfg.history_min_steps) & (own > cfg.history_ratio)
+        ok &= (theirs < cfg.history_ratio) & (theirs * cfg.min_ratio < own)  # not both
+        comm = frame.m.get("comm_s")
+        if comm is not None:
+            gap = x[i, rows] - x[i, other]
+            waited = comm[other] - comm[rows] >= cfg.lead_wait_frac * gap
+            ok &= waited | ~(np.isfinite(comm[other]) & np.isfinite(comm[rows]))
+    return ok
