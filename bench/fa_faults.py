@@ -123,9 +123,11 @@ def _nonfinite_output(fault: dict, model, clock: StepClock) -> None:
     head.register_forward_hook(poison)
 
 
-def _slow_reduce_scatter(fault: dict, clock: StepClock):
-    """This rank's first reduce-scatter of each faulty step returns ``delay_s`` late."""
-    orig = dist.reduce_scatter_single
+def _slow_collective(fault: dict, clock: StepClock, name: str):
+    """This rank's first ``torch.distributed.<name>`` call of each faulty step returns
+    ``delay_s`` late: FSDP2's gradient reduce-scatter (``reduce_scatter_single``), or
+    the all-reduce over a stage's replicas under pipelining."""
+    orig = getattr(dist, name)
     slowed: list[int] = []
 
     def slow(*args, **kwargs):
@@ -136,11 +138,11 @@ def _slow_reduce_scatter(fault: dict, clock: StepClock):
             time.sleep(fault["delay_s"])
         return out
 
-    dist.reduce_scatter_single = slow
+    setattr(dist, name, slow)
 
     def undo() -> None:
-        if dist.reduce_scatter_single is slow:
-            dist.reduce_scatter_single = orig
+        if getattr(dist, name) is slow:
+            setattr(dist, name, orig)
 
     return undo
 
@@ -160,7 +162,7 @@ def install_fault(fault: dict | None, rank: int, loop, clock: StepClock):
     elif kind == "nonfinite":
         (_nonfinite if loop.ddp else _nonfinite_output)(fault, loop.model, clock)
     elif kind == "network" and not loop.ddp:
-        return _slow_reduce_scatter(fault, clock)
+        return _slow_collective(fault, clock, loop.reduce_op)
     elif kind != "network":
         raise ValueError(f"unknown fault kind {kind!r}")
     return lambda: None

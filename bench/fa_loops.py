@@ -7,7 +7,8 @@ head), AdamW with warmup and cosine decay, gradient accumulation with
 behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
 ``amp``: the AMP recipe on the nanoGPT model: ``autocast`` (float16 on even
 seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
-The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``.
+The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``, the pipelined one in
+``fa_pipeline.py``.
 
 Every loop has ``wrap()`` (the module the collector attaches to; the
 optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
@@ -25,6 +26,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from fa_pipeline import LOOPS as PIPELINE
 from fa_sharded import LOOPS as SHARDED
 from torch import nn
 
@@ -213,7 +215,7 @@ class AMPLoop(NanoGPTLoop):
         self.scaler.update()
 
 
-LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop, **SHARDED, "amp": AMPLoop}
+LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop, **SHARDED, "amp": AMPLoop, **PIPELINE}
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):

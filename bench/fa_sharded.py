@@ -98,6 +98,7 @@ class _TitanLoop:
 
     ddp = False
     clip = True
+    reduce_op = "reduce_scatter_single"  # FSDP2's gradient reduction (the slow-link fault's)
 
     def attributable(self, kind: str, rank: int) -> list[int]:
         """Every fault is the rank's own. Under tp the poisoned logit makes this rank's

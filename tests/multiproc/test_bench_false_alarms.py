@@ -1,10 +1,11 @@
-"""The false-alarm bench's sharded and AMP loop styles record traces that score.
+"""The false-alarm bench's sharded, AMP and pipelined loop styles record traces that score.
 
-One spawn of 4 real gloo ranks records three short runs the way
+One spawn of 4 real gloo ranks records four short runs the way
 ``bench/bench_false_alarms.py --record`` does: an FSDP2 run and a tensor-
-parallel run, each with a NaN injected on rank 1 (under tp its label names
-rank 1's tp group, which the NaN reaches in the same step), and a clean AMP
-run; then ``score_corpus`` replays them through the detectors.
+parallel run, each with a NaN injected on rank 1 (under tp the NaN reaches its
+tp partner's gradients in the same step, but only rank 1's loss), a clean AMP
+run and a clean pp 2 x dp 2 run; then ``score_corpus`` replays them through the
+detectors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _steps(run: Path) -> dict[int, dict[int, dict]]:
     return out
 
 
-def test_sharded_and_amp_styles_record_and_score(tmp_path):
+def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
     from fa_record import record_batch
     from fa_score import score_corpus
 
@@ -45,6 +46,7 @@ def test_sharded_and_amp_styles_record_and_score(tmp_path):
         {"name": "fault-nonfinite-tp-0001", "style": "tp", "seed": 1, "steps": STEPS,
          "fault": nan},
         {"name": "clean-amp-0002", "style": "amp", "seed": 2, "steps": STEPS, "fault": None},
+        {"name": "clean-pp-0003", "style": "pp", "seed": 3, "steps": STEPS, "fault": None},
     ]  # fmt: skip
     record_batch(runs, tmp_path)
 
@@ -58,19 +60,25 @@ def test_sharded_and_amp_styles_record_and_score(tmp_path):
     assert {c["group"] for c in tp[3][0]["collectives"]} == {"dp", "tp"}
     # the NaN reaches rank 1's tp partner's local gradient in the same step, not dp peers'
     assert [tp[NAN_STEP][r]["nonfinite"] > 0 for r in range(4)] == [True, True, False, False]
+    assert [tp[NAN_STEP][r].get("loss") is None for r in range(4)] == [False, True, False, False]
     labels = (tmp_path / "fault-nonfinite-tp-0001" / "labels.jsonl").read_text().splitlines()
-    assert [json.loads(s)["ranks"] for s in labels] == [[0, 1]]
+    assert [json.loads(s)["ranks"] for s in labels] == [[1]]
 
     amp = _steps(tmp_path / "clean-amp-0002")
     assert all(len({amp[s][r]["param_digest"] for r in range(4)}) == 1 for s in amp)
 
+    pp = _steps(tmp_path / "clean-pp-0003")[3]
+    assert [(pp[r]["pp"], pp[r]["dp"]) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [pp[r].get("loss") is not None for r in range(4)] == [False, False, True, True]
+    assert {c["group"] for c in pp[0]["collectives"]} == {"pp", "dp_replicate"}
+
     s = score_corpus(tmp_path)
-    assert s["clean_runs"] == {"amp": 1} and s["bad"] == 0
+    assert s["clean_runs"] == {"amp": 1, "pp": 1} and s["bad"] == 0
     assert not [k for k in s["clean"] if k[0] in ("evict", "recover")], s["details"]
     hit = s["faults"][("nonfinite", "fsdp2")]
     assert hit["runs"] == 1 and hit["found"] == 1 and hit["lat"] == [0], s["details"]
-    # under tp the detector names [0, 1], but as two origins of four ranks: unattributed
-    # (no strict healthy majority), so not yet a hit; the run is scored all the same
-    assert s["faults"][("nonfinite", "tp")]["runs"] == 1
+    # under tp the partner's loss stayed finite: its NaN came in backward, rank 1 is named
+    hit = s["faults"][("nonfinite", "tp")]
+    assert hit["runs"] == 1 and hit["found"] == 1 and hit["lat"] == [0], s["details"]
     for fs in s["faults"].values():
         assert not [k for k in fs["other"] if k[0] in ("evict", "recover")], s["details"]
