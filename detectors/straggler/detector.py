@@ -77,9 +77,9 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead", "pair_named")  # fmt: skip
+                 "lead", "pair_named", "named_rate", "suspect")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
-             "pair_named")  # fmt: skip
+             "pair_named", "named_rate")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -91,9 +91,19 @@ class StragglerState(PartsState):
         self.tokens = TokenModel()
         self.lead = StreakCounter()  # steps in a row a rank led its group (straggler/lead.py)
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
+        self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
+        self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
-        self.history.learn(frame.rank, frame.m, clean_mask)
+        own = clean_mask
+        if self.suspect is not None and self.suspect[0] == frame.step:
+            # a row its pair flagged this step does not teach its own history: the pair
+            # rule judges it by that history, which would learn the fault within steps
+            flagged = self.suspect[1]
+            if flagged.shape == clean_mask.shape:
+                own = clean_mask & ~flagged
+        self.suspect = None
+        self.history.learn(frame.rank, frame.m, own)
         self.tokens.learn(clean_mask)
         self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
 
@@ -140,7 +150,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
                         k_sigma=cfg.history_k_sigma,
                         min_count=cfg.history_min_steps,
                     )
-                    named[i, rows] = pair_named(frame, idx, state, cfg, i, rows, x, hmed)
+                    if cfg.metrics[i] == cfg.window_metric:  # compute; input waits are noise
+                        named[i, rows] = pair_named(frame, idx, state, cfg, i, rows, x, hmed)
                     pair[i, rows] = (x[i, rows] > limit) | named[i, rows]
         for i in np.flatnonzero(single.any(axis=1)):
             rows = np.flatnonzero(single[i])
@@ -187,14 +198,20 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     pair_any = pair.any(axis=0)
+    if pair_any.any():
+        state.suspect = (frame.step, pair_any)
     if not (pair_any.any() or state.pair_streak.count.any() or state.pair_named.count.any()):
         return out
     pprev = state.pair_streak.peek(frame.rank)
     pstreak = state.pair_streak.update(frame.rank, pair_any, leaky=True)
-    held = state.pair_named.update(frame.rank, (named & pair).any(axis=0), leaky=True)
+    named_any = (named & pair).any(axis=0)
+    hprev = state.pair_named.peek(frame.rank)
+    held = state.pair_named.update(frame.rank, named_any, leaky=True)
     pneed = required_streak(state.pair_rate, pprev, pair_any, n, cfg)
+    # the named steps have their own, rarer chance streaks: their own rate sets their need
+    hneed = required_streak(state.named_rate, hprev, named_any, n, cfg)
     done: set[int] = set()
-    for row in np.flatnonzero(pair_any & (pstreak >= pneed)):
+    for row in np.flatnonzero(pair_any & ((pstreak >= pneed) | (held >= hneed))):
         members = idx.peers_of(int(row))
         key = int(idx.row_gid[row])
         if key in done:

@@ -9,10 +9,12 @@ under ``history_ratio`` over its own and short of the slower one's own ratio by
 and the other waited for it (its ``comm_s`` over the slower one's by
 ``lead_wait_frac`` of the gap, where ``comm_s`` is reported): a rank that merely
 computed more because a crowded host moved CPU time to it makes nobody wait.
-Such steps count toward the pair streak like the others (its chance rate
-decides how many in a row it takes); a rank named so stays named while its pair
-keeps flagging it and its leaky count of named steps lasts (the detector's
-``pair_named``). Otherwise the pair stays unattributed.
+Only compute is judged so (a few milliseconds of input wait are noise beside a
+peer's wait). Such steps count toward the pair streak like the others, and
+toward a streak of their own whose chance rate is their own (named steps are
+rarer than flagged ones, so fewer in a row confirm); a rank named so stays named
+while its pair keeps flagging it and its leaky count of named steps lasts (the
+detector's ``pair_named``). Otherwise the pair stays unattributed.
 """
 
 from __future__ import annotations
