@@ -45,6 +45,9 @@ def test_the_slower_of_two_replicas_is_named_by_its_history_and_its_peers_wait()
     first = min(i for i, *_ in got)
     assert 20 <= first <= 26  # the pair streak its chance rate asks for, early in a job
     assert got[0][3] == "pair"
+    # its slow steps never taught its own history, named or only flagged by its pair
+    _, hmed, _ = state.history.assess(np.array([1]), "compute_s")
+    assert hmed[0] < 0.09
     restored = S.StragglerState(S.StragglerConfig())
     restored.load_state_dict(state.state_dict())
     assert restored.state_dict()["pair_named"] == state.state_dict()["pair_named"]
