@@ -90,8 +90,13 @@ def group_min(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
 def step_reference_s(frame: StepFrame) -> float:
     """Typical step time of this step: median step_s, else the sum of the median parts.
 
-    Floors scaled by it keep a few milliseconds from counting in a long step.
+    Floors scaled by it keep a few milliseconds from counting in a long step. Once per
+    frame (``StepFrame.memo``): most detectors ask for it, some more than once.
     """
+    return frame.memo("step_reference_s", _step_reference_s)
+
+
+def _step_reference_s(frame: StepFrame) -> float:
     for cols in (("step_s",), ("compute_s", "comm_s", "data_s")):
         vals = [frame.m[c] for c in cols if c in frame.m and np.isfinite(frame.m[c]).any()]
         if vals:
