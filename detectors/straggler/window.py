@@ -185,7 +185,7 @@ def window_signal(frame: StepFrame, idx, c, win: WindowResult, row: int, state, 
     i = cfg.metrics.index(cfg.window_metric)
     peers = idx.peers_of(row)
     peers = peers[peers != row]
-    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], cfg.window_metric)
+    _, hmed = state.history.median(frame.rank[row : row + 1], cfg.window_metric)
     steps = int(win.steps[row])
     back = int(state.window.onset_back(frame.rank[row : row + 1], np.array([steps]))[0])
     gpu = gpu_context(frame, row)
