@@ -15,6 +15,7 @@ from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
+    frame_consensus,
     peer_consensus,
     readings,
     step_reference_s,
@@ -167,7 +168,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         return out
     idx = state.peers.get(frame.group)
     nan = np.full(n, np.nan)
-    c = peer_consensus(idx, readings(frame, ("comm_s",)))
+    c = frame_consensus(frame, idx, ("comm_s",))
     out.scores = {"comm_s": c.scores(("comm_s",))["comm_s"]}
     comm, med = c.x[0], c.median[0]
     floor = cfg.min_excess_s

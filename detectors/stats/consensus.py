@@ -15,6 +15,7 @@ from rankscope.detectors.stats.robust import group_stats, robust_z
 __all__ = [
     "Consensus",
     "peer_consensus",
+    "frame_consensus",
     "readings",
     "strict_majority",
     "group_min",
@@ -62,6 +63,19 @@ def peer_consensus(idx: PeerIndex, x: np.ndarray) -> Consensus:
         group_median=stats.median,
         group_scale=stats.scale,
     )
+
+
+def frame_consensus(frame: StepFrame, idx: PeerIndex, names: tuple[str, ...]) -> Consensus:
+    """``peer_consensus`` of the frame's columns ``names`` over ``idx``'s groups, once per
+    frame: the straggler's window and lead rules and the network detector all judge
+    ``comm_s`` against the same peers. The result is shared, so callers only read it."""
+    key = ("consensus", tuple(names))
+    for got_idx, got in frame._memo.get(key, ()):
+        if got_idx is idx or np.array_equal(got_idx.group, idx.group):
+            return got
+    got = peer_consensus(idx, readings(frame, names))
+    frame._memo.setdefault(key, []).append((idx, got))
+    return got
 
 
 def readings(frame: StepFrame, names) -> np.ndarray:
