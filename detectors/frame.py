@@ -66,7 +66,7 @@ class StepFrame:
     gpu: dict[str, np.ndarray] = field(default_factory=dict)  # per-rank GPU readings
     missing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # what several detectors derive from this step alone (``memo``), computed once
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
