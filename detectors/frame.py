@@ -65,6 +65,8 @@ class StepFrame:
     checks: list[dict] = field(default_factory=list)  # this step's `check` records
     gpu: dict[str, np.ndarray] = field(default_factory=dict)  # per-rank GPU readings
     missing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # what several detectors derive from this step alone (``memo``), computed once
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -73,8 +75,21 @@ class StepFrame:
     @property
     def t(self) -> float:
         """End of the step: the latest rank's ``t``."""
-        ts = self.m["t"]
-        return float(np.nanmax(ts)) if ts.size and not np.all(np.isnan(ts)) else float("nan")
+        return self.memo("t", _end_time)
+
+    def memo(self, key, compute):
+        """``compute(self)``, once per frame and ``key``: a frame is not changed once
+        assembled, so what is derived from it alone (the step's reference time, a peer
+        consensus of its columns) need not be derived again by the next detector."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = compute(self)
+        return memo[key]
+
+
+def _end_time(frame: StepFrame) -> float:
+    ts = frame.m["t"]
+    return float(np.nanmax(ts)) if ts.size and not np.all(np.isnan(ts)) else float("nan")
 
 
 def work_group(frame: StepFrame) -> np.ndarray:

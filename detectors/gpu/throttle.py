@@ -198,7 +198,7 @@ def detect(frame: StepFrame, state: GpuThrottleState, cfg: GpuThrottleConfig) ->
     with np.errstate(invalid="ignore"):
         low_peer = (c.z < -cfg.z_min) & (x < (1 - drop) * c.median)
         low_peer &= strict_majority(idx, low_peer, c.count)
-        count, hmed, _ = state.history.assess(ranks, "sm_clock_mhz")
+        count, hmed = state.history.median(ranks, "sm_clock_mhz")
         low_self = (count >= cfg.history_min_samples) & (x[0] < (1 - cfg.clock_drop_frac) * hmed)
     events = clock_events(frame)
     thermal = any_event(events, THERMAL_EVENTS)

@@ -15,6 +15,7 @@ from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
+    frame_consensus,
     peer_consensus,
     readings,
     step_reference_s,
@@ -124,12 +125,12 @@ class NetworkState(PartsState):
             # a clock offset is near constant: fill the baseline, then follow it only slowly
             # (one step in CLOCK_EVERY), so a fault that makes a rank late is not learnt
             # as its clock within a few steps
-            have, _, _ = self.lateness.assess(frame.rank, "lateness")
+            have, _ = self.lateness.median(frame.rank, "lateness")
             slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
             self.lateness.learn(frame.rank, {"lateness": lat}, clean_mask & slow)
         res, self.pending_resid = self.pending_resid, None
         if res is not None and res.shape[0] == frame.n:  # the same slow following
-            have, _, _ = self.resid.assess(frame.rank, "resid")
+            have, _ = self.resid.median(frame.rank, "resid")
             slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
             self.resid.learn(frame.rank, {"resid": res}, clean_mask & slow)
         if clean_mask.size == 0 or clean_mask.mean() < 0.9:  # a troubled step teaches nothing
@@ -167,7 +168,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         return out
     idx = state.peers.get(frame.group)
     nan = np.full(n, np.nan)
-    c = peer_consensus(idx, readings(frame, ("comm_s",)))
+    c = frame_consensus(frame, idx, ("comm_s",))
     out.scores = {"comm_s": c.scores(("comm_s",))["comm_s"]}
     comm, med = c.x[0], c.median[0]
     floor = cfg.min_excess_s
@@ -260,7 +261,7 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
     late = np.zeros(n, dtype=bool)
     if lat.shape[0] != n or not np.isfinite(lat).any():
         return late, late.copy()
-    _, offset, _ = state.lateness.assess(frame.rank, "lateness")  # the rank's clock offset
+    _, offset = state.lateness.median(frame.rank, "lateness")  # the rank's clock offset
     corr = lat - np.where(np.isfinite(offset), offset, 0.0)
     rows, k = idx.argmax_rows(corr)
     top2 = np.sort(np.nan_to_num(idx.matrix(corr), nan=-np.inf), axis=1)[:, -2:]
@@ -274,7 +275,7 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
         work = own / (np.nan_to_num(c.median[1], nan=0.0) + np.nan_to_num(c.median[2], nan=0.0))
     times_last, steps, work_ratio = state.scan.update(frame.rank, last_now, work, seen)
     base_floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
-    count, usual, _ = state.resid.assess(frame.rank, "resid")
+    count, usual = state.resid.median(frame.rank, "resid")
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
     hit, mean, state.pending_resid = late_residual_hits(
         idx, frame.rank, lat, own, usual, state.window,
@@ -367,7 +368,7 @@ def _from_comm_s(idx, c, cfg: NetworkConfig, floor: float, n: int):
 def _signal(frame, idx, c, w: Waits, state, row: int, rule: str, unattributed: bool) -> Signal:
     peers = idx.peers_of(row)
     peers = peers[peers != row]
-    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], "comm_s")
+    _, hmed = state.history.median(frame.rank[row : row + 1], "comm_s")
     ranks = (int(frame.rank[row]),)
     step_s = step_reference_s(frame)  # the step as it was, the wait for this rank included
     awaited = float(w.awaited_s[row])

@@ -15,6 +15,7 @@ from rankscope.detectors.stats.robust import group_stats, robust_z
 __all__ = [
     "Consensus",
     "peer_consensus",
+    "frame_consensus",
     "readings",
     "strict_majority",
     "group_min",
@@ -64,6 +65,19 @@ def peer_consensus(idx: PeerIndex, x: np.ndarray) -> Consensus:
     )
 
 
+def frame_consensus(frame: StepFrame, idx: PeerIndex, names: tuple[str, ...]) -> Consensus:
+    """``peer_consensus`` of the frame's columns ``names`` over ``idx``'s groups, once per
+    frame: the straggler's window and lead rules and the network detector all judge
+    ``comm_s`` against the same peers. The result is shared, so callers only read it."""
+    key = ("consensus", tuple(names))
+    for got_idx, got in frame._memo.get(key, ()):
+        if got_idx is idx or np.array_equal(got_idx.group, idx.group):
+            return got
+    got = peer_consensus(idx, readings(frame, names))
+    frame._memo.setdefault(key, []).append((idx, got))
+    return got
+
+
 def readings(frame: StepFrame, names) -> np.ndarray:
     """``(len(names), n)`` readings of the step's ranks; NaN where one is not reported."""
     nan = np.full(frame.n, np.nan)
@@ -90,8 +104,13 @@ def group_min(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
 def step_reference_s(frame: StepFrame) -> float:
     """Typical step time of this step: median step_s, else the sum of the median parts.
 
-    Floors scaled by it keep a few milliseconds from counting in a long step.
+    Floors scaled by it keep a few milliseconds from counting in a long step. Once per
+    frame (``StepFrame.memo``): most detectors ask for it, some more than once.
     """
+    return frame.memo("step_reference_s", _step_reference_s)
+
+
+def _step_reference_s(frame: StepFrame) -> float:
     for cols in (("step_s",), ("compute_s", "comm_s", "data_s")):
         vals = [frame.m[c] for c in cols if c in frame.m and np.isfinite(frame.m[c]).any()]
         if vals:

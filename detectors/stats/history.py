@@ -28,7 +28,7 @@ class RankHistory:
         self._mi = {m: i for i, m in enumerate(self.metrics)}
         self.buf = np.full((len(self.metrics), 0, self.window), np.nan)
         self.pos = np.zeros(0, dtype=np.int64)
-        self._table: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._table: dict[str, list] = {}  # metric -> [count, median, windows, sigma or None]
 
     def _grow(self, n_ranks: int) -> None:
         have = self.pos.shape[0]
@@ -75,23 +75,41 @@ class RankHistory:
         computes every known rank's statistics once until the next ``learn`` (a
         step asks for the same metric over all ranks more than once; each row's
         statistics depend on that row alone, so the answer is the same)."""
+        return self._lookup(ranks, metric, sigma=True)
+
+    def median(self, ranks: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray]:
+        """(count, median) of each rank's window: ``assess`` less the sigma, which
+        costs a second sort of every window and most callers do not use."""
+        return self._lookup(ranks, metric, sigma=False)[:2]
+
+    def _lookup(self, ranks, metric: str, *, sigma: bool):
         ranks = np.asarray(ranks, dtype=np.int64)
         if ranks.shape[0] < _TABLE_MIN_RANKS:
-            return self._stats(ranks, metric)
+            return self._stats(ranks, metric, sigma=sigma)
         table = self._table.get(metric)
         if table is None:
-            table = self._table[metric] = self._stats(np.arange(self.pos.shape[0]), metric)
+            table = self._table[metric] = [*self._centre(np.arange(self.pos.shape[0]), metric),
+                                           None]  # fmt: skip
+        if sigma and table[3] is None:
+            table[3] = _sigma(table[2], table[0], table[1])
+        stats = (table[0], table[1], table[3] if sigma else table[1])  # no sigma: unread
         known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
         if known.all():
-            return table[0][ranks], table[1][ranks], table[2][ranks]
+            return tuple(a[ranks] for a in stats)
         at = np.where(known, ranks, 0)
         if not self.pos.shape[0]:  # nothing learnt yet: nothing to look up
             z = np.zeros(ranks.shape[0], dtype=np.int64)
             return z, np.full(z.shape[0], np.nan), np.full(z.shape[0], np.nan)
-        count = np.where(known, table[0][at], 0)
-        return count, np.where(known, table[1][at], np.nan), np.where(known, table[2][at], np.nan)
+        count = np.where(known, stats[0][at], 0)
+        return count, np.where(known, stats[1][at], np.nan), np.where(known, stats[2][at], np.nan)
 
-    def _stats(self, ranks: np.ndarray, metric: str):
+    def _stats(self, ranks: np.ndarray, metric: str, *, sigma: bool = True):
+        """(count, median, sigma or None) of ``ranks`` alone, without the table."""
+        count, med, sub = self._centre(ranks, metric)
+        return count, med, _sigma(sub, count, med) if sigma else None
+
+    def _centre(self, ranks: np.ndarray, metric: str):
+        """(count, median, the windows with NaN gaps) of ``ranks``."""
         k = ranks.shape[0]
         known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
         sub = np.full((k, self.window), np.nan)
@@ -101,9 +119,7 @@ class RankHistory:
         s = np.sort(sub, axis=1)
         with np.errstate(invalid="ignore"):
             med = quantile_sorted(s, count, 0.5)
-            dev = np.sort(np.abs(sub - med[:, None]), axis=1)
-            sigma = MAD_TO_SIGMA * quantile_sorted(dev, count, 0.5)
-        return count, med, sigma
+        return count, med, sub
 
     def slow_limit(
         self,
@@ -147,3 +163,10 @@ class RankHistory:
         buf[buf == None] = np.nan  # noqa: E711 (elementwise on an object array)
         self.buf = buf.astype(np.float64)
         self._table.clear()
+
+
+def _sigma(sub: np.ndarray, count: np.ndarray, med: np.ndarray) -> np.ndarray:
+    """Robust sigma (scaled MAD) of each window around its median."""
+    with np.errstate(invalid="ignore"):
+        dev = np.sort(np.abs(sub - med[:, None]), axis=1)
+        return MAD_TO_SIGMA * quantile_sorted(dev, count, 0.5)

@@ -346,7 +346,7 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Sig
     peerless = not np.isfinite(ratio).any() or np.all(c.count[:, row] == 1)
     i = int(np.argmax(ratio)) if not peerless else int(np.flatnonzero(hit[:, row])[0])
     metric = cfg.metrics[i]
-    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], metric)
+    _, hmed = state.history.median(frame.rank[row : row + 1], metric)
     peers = idx.peers_of(row)
     peers = peers[peers != row]
     value = c.x[i, row]

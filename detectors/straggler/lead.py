@@ -24,7 +24,12 @@ from rankscope.detectors.gpu.readings import (
     clock_events,
     has_gpu,
 )
-from rankscope.detectors.stats.consensus import Consensus, peer_consensus, step_reference_s
+from rankscope.detectors.stats.consensus import (
+    Consensus,
+    frame_consensus,
+    peer_consensus,
+    step_reference_s,
+)
 from rankscope.detectors.stats.peers import PeerIndex
 
 __all__ = ["lead_hits"]
@@ -61,7 +66,7 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np
         comm = frame.m.get("comm_s")
         if not lead.any() or comm is None or not np.isfinite(comm).any():
             return lead & False  # nothing leads, or no waits to confirm it
-        peer_comm = peer_consensus(idx, comm).median[0]
+        peer_comm = frame_consensus(frame, idx, ("comm_s",)).median[0]
         lead &= peer_comm - comm >= cfg.lead_wait_frac * (x - med)
     if lead.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
         lead &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)

@@ -21,6 +21,7 @@ from rankscope.detectors.frame import StepFrame
 __all__ = ["pipeline_victims"]
 
 _OTHER_COORDS = ("dp", "tp", "cp", "ep")
+_BLOCK = 1024  # rows compared with all others at once (a block x rows boolean matrix)
 
 
 def pipeline_victims(
@@ -38,11 +39,15 @@ def pipeline_victims(
     if rows.size < 2 or pp is None or np.unique(pp[rows]).size < 2:
         return out
     key = np.stack([frame.coords[c] for c in _OTHER_COORDS if c in frame.coords], axis=1)
-    for row in rows:
-        same = np.all(key[rows] == key[row], axis=1) & (pp[rows] != pp[row])
-        partners = rows[same]
-        above = (standing[partners] > standing[row]) | (
-            (standing[partners] == standing[row]) & (rel[partners] > rel[row])
+    key, p, st, rl = key[rows], pp[rows], standing[rows], rel[rows]
+    # every pair at once, in blocks of rows so that a host's worth of slow rows stays small
+    for a in range(0, rows.size, _BLOCK):
+        b = slice(a, a + _BLOCK)
+        partner = p[b, None] != p[None, :]
+        for j in range(key.shape[1]):
+            partner &= key[b, j, None] == key[None, :, j]
+        above = (st[None, :] > st[b, None]) | (
+            (st[None, :] == st[b, None]) & (rl[None, :] > rl[b, None])
         )
-        out[row] = bool(above.any())
+        out[rows[b]] = (partner & above).any(axis=1)
     return out

@@ -27,7 +27,7 @@ __all__ = ["peers_sped_up"]
 def peers_sped_up(frame: StepFrame, idx: PeerIndex, c: Consensus, state, i: int, cfg
                   ) -> np.ndarray:  # fmt: skip
     """Rows whose slowness on metric ``i`` is explained by faster peers (see the module)."""
-    count, hmed, _ = state.history.assess(frame.rank, cfg.metrics[i])
+    count, hmed = state.history.median(frame.rank, cfg.metrics[i])
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(count >= cfg.history_min_steps, c.x[i] / hmed, np.nan)
         group = peer_consensus(idx, rel).median[0]

@@ -20,7 +20,12 @@ from rankscope.detectors.gpu.readings import (
     has_gpu,
 )
 from rankscope.detectors.signal import Signal
-from rankscope.detectors.stats.consensus import Z_CAP, peer_consensus, step_reference_s
+from rankscope.detectors.stats.consensus import (
+    Z_CAP,
+    frame_consensus,
+    peer_consensus,
+    step_reference_s,
+)
 from rankscope.detectors.stats.robust import group_stats
 from rankscope.detectors.stats.slow_window import SlowWindow, z_threshold
 from rankscope.detectors.straggler.token_model import TokenModel
@@ -126,7 +131,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     res.z[rows] = np.where(ok & np.isfinite(zs), zs, res.z[rows])
     comm = frame.m.get("comm_s")
     if comm is not None and np.isfinite(comm).sum() >= 3:
-        cc = peer_consensus(idx, comm)
+        cc = frame_consensus(frame, idx, ("comm_s",))
         with np.errstate(invalid="ignore"):  # a victim waited longer than its peers
             ok &= held[rows] | ~(cc.x[0, rows] > cc.median[0, rows])
     if has_gpu(frame):
@@ -185,7 +190,7 @@ def window_signal(frame: StepFrame, idx, c, win: WindowResult, row: int, state, 
     i = cfg.metrics.index(cfg.window_metric)
     peers = idx.peers_of(row)
     peers = peers[peers != row]
-    _, hmed, _ = state.history.assess(frame.rank[row : row + 1], cfg.window_metric)
+    _, hmed = state.history.median(frame.rank[row : row + 1], cfg.window_metric)
     steps = int(win.steps[row])
     back = int(state.window.onset_back(frame.rank[row : row + 1], np.array([steps]))[0])
     gpu = gpu_context(frame, row)

@@ -57,3 +57,37 @@ def test_a_slow_last_stage_alone_is_named():
 def test_the_larger_excess_is_named_whichever_stage_it_is_on():
     outs, _ = run(S, frames(60, np.random.default_rng(3), slow=5, echo=1))
     assert named(outs) == {5}
+
+
+def _pairwise(frame, hit, rel, standing):
+    """The rule as the module states it, one row at a time (the reference)."""
+    rows = np.flatnonzero(hit.any(axis=0))
+    key = np.stack([frame.coords[c] for c in ("dp", "tp", "cp", "ep")], axis=1)
+    pp = frame.coords["pp"]
+    out = np.zeros(frame.n, dtype=bool)
+    for row in rows:
+        partners = rows[np.all(key[rows] == key[row], axis=1) & (pp[rows] != pp[row])]
+        out[row] = bool(((standing[partners] > standing[row]) | (
+            (standing[partners] == standing[row]) & (rel[partners] > rel[row]))).any())
+    return out
+
+
+def test_every_pair_is_compared_as_the_rule_says():
+    """Many slow rows across pipelines (a slow host), ties in streak and ratio, more rows
+    than one block: each row's verdict is the pairwise rule's."""
+    from rankscope.detectors.straggler import pipeline_victim as V
+
+    rng = np.random.default_rng(3)
+    lay = layout(24, tp=2, pp=4)
+    n = lay["rank"].shape[0]
+    frame = make_frame(lay, 0, {"compute_s": np.ones(n)})
+    for trial in range(30):
+        hit = rng.random((2, n)) < (0.9 if trial % 3 == 0 else 0.2)
+        rel = rng.choice([1.1, 1.2, 1.3], n)  # ties on purpose
+        standing = rng.integers(0, 3, n)
+        block, V._BLOCK = V._BLOCK, 7 if trial % 2 else V._BLOCK
+        try:
+            got = V.pipeline_victims(frame, hit, rel, standing)
+        finally:
+            V._BLOCK = block
+        np.testing.assert_array_equal(got, _pairwise(frame, hit, rel, standing))
