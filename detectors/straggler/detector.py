@@ -219,7 +219,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         done.add(key)
         i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
         if named[i, row] or held[row]:
-            out.signals.append(_pair_signal(frame, idx, x, i, int(row), members, state, cfg,
+            out.signals.append(_pair_signal(frame, x, i, int(row), members, state, cfg,
                                             int(pstreak[row])))  # fmt: skip
             continue
         out.signals.append(
@@ -243,7 +243,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     return out
 
 
-def _pair_signal(frame, idx, x, i, row, members, state, cfg, streak) -> Signal:
+def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
     """The slower of two peers, named on its own history (straggler/pair.py)."""
     other = members[members != row]
     _, hmed, _ = state.history.assess(frame.rank[[row]], cfg.metrics[i])
