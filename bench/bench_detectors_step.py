@@ -30,10 +30,10 @@ def _frame(lay, step: int, rng, faults: bool, collectives: bool):
     reduced = (1.0 + 0.001 * lay["group"]).astype(np.float64) * (1 + step * 1e-4)
     digest = [f"{g:08x}-{step:08x}" for g in lay["group"].tolist()]  # distinct str objects
     if faults and step >= 50:
-        compute[1234] *= 1.3
-        digest[4321] = "corrupt"
+        compute[1234 % w] *= 1.3
+        digest[4321 % w] = "corrupt"
     if faults and step == 120:
-        gnorm[999] = 3e4
+        gnorm[999 % w] = 3e4
     m = {
         "t": np.full(w, 1.7e9 + step),
         "step_s": compute + data + comm,

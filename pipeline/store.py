@@ -143,6 +143,18 @@ class Store:
             raise StoreError(f"{self.path}: cannot open DuckDB store: {exc}") from exc
         self.read_only = read_only
         self._check_version()
+        if not read_only:
+            self._prime_arrow_scan()
+
+    def _prime_arrow_scan(self) -> None:
+        """Scan a one-row arrow table once, now: DuckDB's first scan of one imports what it
+        lazily needs (pandas where installed, ~0.5 s), which must not stall a running
+        service's loop at its first score write."""
+        self.con.register("rankscope_prime", pa.table({"x": pa.array([0], pa.int8())}))
+        try:
+            self._x("SELECT count(*) FROM rankscope_prime")
+        finally:
+            self.con.unregister("rankscope_prime")
 
     def _check_version(self) -> None:
         read_only = self.read_only

@@ -12,9 +12,9 @@ engine with the outcomes already back.
 What crosses between the processes is message bytes one way and our own
 decoded columns and records the other (pickled by ``concurrent.futures``;
 the bytes from Kafka are never unpickled). The workers start lazily, when
-the first batch worth it arrives, and that batch and any batch while they
-start is decoded in the loop: a service that only ever sees small messages
-(tests, small jobs) never starts one. If the pool breaks (a worker killed),
+the first batch worth it arrives (``serve`` starts them when it starts, see
+``ServeConfig.decode_workers``), and any batch while they start is decoded in
+the loop. If the pool breaks (a worker killed),
 it says so once at WARNING and the loop decodes everything from then on.
 """
 
@@ -108,17 +108,24 @@ class DecodePool:
                 got = _decode_all(values[k * self.chunk : (k + 1) * self.chunk], min_columns)
             yield from got
 
+    def start(self) -> None:
+        """Start the workers now, without waiting for them (they take a second or so to
+        import); batches decode in the loop until they answer."""
+        if self._broken or self._pool is not None:
+            return
+        try:
+            ctx = multiprocessing.get_context("spawn")  # no fork of a threaded process
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            self._warm = self._pool.submit(_ready)
+        except Exception as exc:
+            self._break(exc)
+
     def _started(self) -> bool:
         """Start the workers on first use; True once they answer."""
         if self._broken:
             return False
         if self._pool is None:
-            try:
-                ctx = multiprocessing.get_context("spawn")  # no fork of a threaded process
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
-                self._warm = self._pool.submit(_ready)
-            except Exception as exc:
-                self._break(exc)
+            self.start()
             return False
         if not self._warm.done():
             return False

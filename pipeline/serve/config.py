@@ -52,8 +52,8 @@ class ServeConfig:
     """Record every step's detection latency in the stats (benchmarks)."""
     decode_workers: int = 1
     """Processes that decode large telemetry batches beside the loop (a second core;
-    ``rankscope.pipeline.bus.decode_pool``), started on the first such batch; 0: the loop
-    decodes everything itself."""
+    ``rankscope.pipeline.bus.decode_pool``), started with the service and used for
+    batches of 512 KiB or more; 0: the loop decodes everything itself."""
     feed_records: int = 4096
     """Records handed to the engine at once: larger amortizes, smaller detects sooner."""
     store_interval_s: float = 0.5

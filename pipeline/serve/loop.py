@@ -97,6 +97,10 @@ class _InLoop:
         return (decode_outcome(v, min_columns) for v in values)
 
     @staticmethod
+    def start() -> None:
+        return None
+
+    @staticmethod
     def close() -> None:
         return None
 
@@ -157,6 +161,7 @@ class Service:
                                    stats=self.stats)  # fmt: skip
         self._writer.keep_log = self.cfg.measure_latency
         self.engine_factory()  # import the detectors now, not on the client's IO thread
+        self._decoder.start()  # the workers import while the consumer joins its group
         session_ms = int(self.cfg.session_timeout_s * 1000)
         self._consumer = self.bus.consumer(
             (),

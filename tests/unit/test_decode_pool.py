@@ -64,6 +64,25 @@ def test_workers_decode_as_the_loop_does():
     assert inline[0].batch is not None and inline[-4].error and inline[-2].bad
 
 
+def test_start_brings_the_workers_up_before_any_batch():
+    """``serve`` starts the pool with the service: the first large batch then goes to a
+    worker that is already up (a cold start decoded seconds of a burst in the loop)."""
+    pool = DecodePool(1)
+    try:
+        pool.start()
+        assert pool._pool is not None and pool._warm is not None
+        pool._warm.result(timeout=60)  # the worker answers without any outcomes() call
+        assert pool._started()
+        values = _values()
+        got = list(pool.outcomes(values, 32))
+        for a, b in zip(got, (decode_outcome(v, 32) for v in values), strict=True):
+            _same(a, b)
+        pool.start()  # a second start changes nothing
+        assert pool._started()
+    finally:
+        pool.close()
+
+
 def test_a_dead_worker_is_said_once_and_the_loop_decodes(caplog):
     values = _values()
     pool = DecodePool(1)
