@@ -11,11 +11,13 @@ engine with the outcomes already back.
 
 What crosses between the processes is message bytes one way and our own
 decoded columns and records the other (pickled by ``concurrent.futures``;
-the bytes from Kafka are never unpickled). The workers start lazily, when
-the first batch worth it arrives (``serve`` starts them when it starts, see
-``ServeConfig.decode_workers``), and any batch while they start is decoded in
-the loop. If the pool breaks (a worker killed),
-it says so once at WARNING and the loop decodes everything from then on.
+the bytes from Kafka are never unpickled). While the next outcome is not
+back, the loop takes back the batch's last messages no worker has started
+(``Future.cancel``) and decodes them itself, so it works instead of waiting
+when the workers fall behind. ``serve`` starts the workers when it starts
+(``start``; else the first large batch does), and any batch while they start
+is decoded in the loop. If the pool breaks (a worker killed), it says so once
+at WARNING and the loop decodes everything from then on.
 """
 
 from __future__ import annotations
@@ -98,15 +100,34 @@ class DecodePool:
         return self._collect(parts, values, min_columns)
 
     def _collect(self, parts: list[Future], values: list, min_columns: int):
+        here: dict[int, list[Outcome]] = {}  # parts taken back from the workers' queue
         for k, fut in enumerate(parts):
-            try:
-                got = fut.result() if not self._broken else None
-            except Exception as exc:  # a worker died: this part and the rest decode here
-                self._break(exc)
-                got = None
+            got = here.pop(k, None)
+            if got is None and not self._broken:
+                self._steal(parts, k, here, values, min_columns)
+                got = here.pop(k, None)
+            if got is None and not self._broken:
+                try:
+                    got = fut.result()
+                except Exception as exc:  # a worker died: this part and the rest decode here
+                    self._break(exc)
             if got is None:
-                got = _decode_all(values[k * self.chunk : (k + 1) * self.chunk], min_columns)
+                got = self._part(values, k, min_columns)
             yield from got
+
+    def _steal(self, parts: list[Future], k: int, here: dict, values: list,
+               min_columns: int) -> None:  # fmt: skip
+        """While part ``k`` is not back, decode here the last parts no worker has taken
+        yet (a cancelled future never runs): the loop works instead of waiting, and
+        the outcomes are the same function's either way."""
+        j = len(parts) - 1
+        while j > k and not parts[k].done():
+            if j not in here and parts[j].cancel():
+                here[j] = self._part(values, j, min_columns)
+            j -= 1
+
+    def _part(self, values: list, k: int, min_columns: int) -> list[Outcome]:
+        return _decode_all(values[k * self.chunk : (k + 1) * self.chunk], min_columns)
 
     def start(self) -> None:
         """Start the workers now, without waiting for them (they take a second or so to

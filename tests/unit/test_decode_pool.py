@@ -83,6 +83,27 @@ def test_start_brings_the_workers_up_before_any_batch():
         pool.close()
 
 
+def test_the_loop_decodes_the_parts_no_worker_took_while_it_would_wait():
+    """Work stealing: while part 0 is not back, the parts still queued (cancellable) are
+    decoded in the loop, from the last one back; a part a worker runs is left to it."""
+    from concurrent.futures import Future
+
+    values = _values()[:4]
+    parts = [Future() for _ in values]
+    parts[1].set_running_or_notify_cancel()  # taken by a worker: not the loop's
+    pool = DecodePool(1)
+    here: dict = {}
+    pool._steal(parts, 0, here, values, 32)
+    assert sorted(here) == [2, 3]
+    assert parts[2].cancelled() and parts[3].cancelled() and not parts[1].cancelled()
+    for j in (2, 3):
+        _same(here[j][0], decode_outcome(values[j], 32))
+    parts[0].set_result([decode_outcome(values[0], 32)])
+    more: dict = {}
+    pool._steal(parts, 0, more, values, 32)  # part 0 is back: nothing more to take
+    assert more == {}
+
+
 def test_a_dead_worker_is_said_once_and_the_loop_decodes(caplog):
     values = _values()
     pool = DecodePool(1)
