@@ -1,12 +1,14 @@
 """Score a recorded corpus: replay every run through the engine, count what came out.
 
 Clean runs (an empty ``labels.jsonl``): findings per 100 runs by action and
-kind, and by style. Fault runs, per fault and loop style (and over all
-styles): recall (a finding of the right kind on exactly the labelled ranks
-and host, ``pipeline/offline/evaluate.matches``; the label names whom the
-style lets a fault be blamed on, e.g. a tp group for a NaN under tensor
-parallel), detection latency in steps, and the findings on any other rank
-(false ones).
+kind, and by style. A finding counts under the strongest action it ever issued
+(``evidence.actions``), not the one it ended with: an evict sent at step 55 is
+an eviction even if the incident was only worth watching by the end.
+Fault runs, per fault and loop style (and over all styles): recall (a
+finding of the right kind on exactly the labelled ranks and host,
+``pipeline/offline/evaluate.matches``; the label names whom the style lets a
+fault be blamed on, e.g. a tp group for a NaN under tensor parallel),
+detection latency in steps, and the findings on any other rank (false ones).
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ __all__ = ["score_corpus", "print_scores"]
 
 def _runs(corpus: Path) -> list[Path]:
     return sorted(p for p in corpus.iterdir() if (p / "labels.jsonl").is_file())
+
+
+_STRENGTH = {"observe": 0, "recover": 1, "evict": 2}
+
+
+def issued(f) -> str:
+    """The strongest action ``f`` issued while open (evidence ``actions``) or ends with."""
+    sent = [a for a in (f.evidence.get("actions") or {}) if a in _STRENGTH]
+    return max([f.action, *sent], key=lambda a: _STRENGTH.get(a, 0))
 
 
 def _labels(run: Path) -> list[dict]:
@@ -74,9 +85,10 @@ def score_corpus(corpus: Path) -> dict:
         if not labels:
             clean_runs[style] += 1
             for f in res.findings:
-                clean[(f.action, f.kind)] += 1
-                clean_by_style[style][f.action] += 1
-                details.append(f"  clean {run.name}: {f.kind} {f.action} ranks={f.ranks} "
+                act = issued(f)
+                clean[(act, f.kind)] += 1
+                clean_by_style[style][act] += 1
+                details.append(f"  clean {run.name}: {f.kind} {act} ranks={f.ranks} "
                                f"steps {f.first_step}-{f.last_step} score={f.score:.2f} "
                                f"rule={f.evidence.get('rule', '')}")  # fmt: skip
             continue
@@ -96,9 +108,9 @@ def score_corpus(corpus: Path) -> dict:
                 fs["lat"].append(max(0, min(f.detected_step for f in hits) - lab["step"]))
             for f in res.findings:
                 if f not in hits:
-                    fs["other"][(f.action, f.kind)] += 1
+                    fs["other"][(issued(f), f.kind)] += 1
                     details.append(
-                        f"  fault {run.name}: extra {f.kind} {f.action} ranks={f.ranks} "
+                        f"  fault {run.name}: extra {f.kind} {issued(f)} ranks={f.ranks} "
                         f"steps {f.first_step}-{f.last_step} rule={f.evidence.get('rule', '')}"
                     )
             if not hits:
