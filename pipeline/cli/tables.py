@@ -29,7 +29,7 @@ def findings_rows(findings: list[dict]) -> list[tuple]:
     rows = []
     for f in findings:
         score = f.get("score")
-        action = f["action"] + (" (unattributed)" if f.get("unattributed") else "")
+        action = f["action"] + (" (unattributed)" if f.get("unattributed") else "") + _sent(f)
         rows.append(
             (
                 f["job"],
@@ -44,6 +44,23 @@ def findings_rows(findings: list[dict]) -> list[tuple]:
             )
         )
     return rows
+
+
+_STRENGTH = {"observe": 0, "recover": 1, "evict": 2}
+
+
+def _sent(f: dict) -> str:
+    """`` (evict sent at 55)`` when an action stronger than the finding's current one was
+    issued while it was open (a straggler whose job then stopped slowing is only worth
+    watching now, but the trainer was told to evict): the reader must see both."""
+    sent = (f.get("evidence") or {}).get("actions") or {}
+    now = _STRENGTH.get(f["action"], 0)
+    done = [(a, w) for a, w in sent.items() if _STRENGTH.get(a, 0) > now]
+    if not done:
+        return ""
+    a, w = max(done, key=lambda aw: _STRENGTH[aw[0]])
+    step = w.get("step") if isinstance(w, dict) else None
+    return f" ({a} sent" + (f" at {step})" if step is not None else ")")
 
 
 def render_table(header: tuple, rows: list[tuple]) -> str:

@@ -176,3 +176,19 @@ def test_a_trace_without_step_records_fails_instead_of_reading_clean(tmp_path, c
         assert main([cmd, str(tmp_path / "beats")]) == 1
         err = capsys.readouterr().err
         assert "no step records" in err and "10 beat" in err, err
+
+
+def test_the_table_shows_an_action_issued_before_the_finding_calmed_down():
+    """A finding that evicted and ends as observe says both: the trainer was told."""
+    from rankscope.pipeline.cli.tables import FINDING_HEADER, findings_rows, render_table
+
+    base = {"job": "j", "kind": "straggler", "ranks": [3], "hosts": ["node01"], "first_step": 50,
+            "last_step": 149, "detected_step": 51, "score": 21.0, "detector": "straggler"}
+    calmed = base | {"action": "observe", "evidence": {"actions": {"evict": {"step": 55}}}}
+    kept = base | {"action": "evict", "evidence": {"actions": {"recover": {"step": 52},
+                                                               "evict": {"step": 57}}}}
+    plain = base | {"action": "observe", "evidence": {}}
+    rows = findings_rows([calmed, kept, plain])
+    col = FINDING_HEADER.index("action")
+    assert [r[col] for r in rows] == ["observe (evict sent at 55)", "evict", "observe"]
+    assert "observe (evict sent at 55)" in render_table(FINDING_HEADER, rows)
