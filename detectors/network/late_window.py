@@ -17,13 +17,13 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
     """(hit mask, window mean excess residual seconds, this step's residuals) per row.
 
     ``lat``: arrival lateness (s, NaN where unknown); ``own``: the row's compute
-    + input time (s); ``usual``: each rank's usual residual in clean steps (its
-    clock offset and habits; NaN until learnt, and then the rank is not judged).
+    + input time (s), None where its work does not bear on ``lat``; ``usual``: each
+    rank's usual residual in clean steps (its clock offset and habits; NaN until
+    learnt, and then the rank is not judged).
     """
     n = ranks.shape[0]
-    c_own = peer_consensus(idx, own)
     with np.errstate(invalid="ignore"):
-        raw = lat - (own - c_own.median[0])
+        raw = lat if own is None else lat - (own - peer_consensus(idx, own).median[0])
         resid = raw - usual
     c = peer_consensus(idx, resid)
     count = c.count[0]
