@@ -43,12 +43,13 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
         return hit, mean, raw
     ok, _, _, ex, _ = ws.qualify(
         ranks[rows], scale[rows], held[rows], z_threshold(n, len(ws.lengths), chance),
-        lambda _lr, ex: ex > floor_s,
+        lambda _lr, ex: ex > floor_s, lambda _lr, ex: ex > 0.5 * floor_s,
     )
     # A named rank stays named on its longest window, which still holds the
-    # delayed steps for a long window after the delay ends; it is released once
-    # its shortest window has dropped under half the floor (the last few steps
-    # are back to normal), so the incident ends where the delay did.
+    # delayed steps for a long window after the delay ends, or on its shortest
+    # one at half the floor (a delay younger than the longest window); it is
+    # released once its shortest window has dropped under half the floor (the
+    # last few steps are back to normal), so the incident ends where the delay did.
     _, recent = ws.means(ranks[rows], np.full(rows.size, ws.lengths[0]))
     with np.errstate(invalid="ignore"):
         ok &= ~(held[rows] & (recent < 0.5 * floor_s))
