@@ -224,7 +224,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         rule[held] = "late_return_window"
     else:
         w, rule = _from_comm_s(idx, c, cfg, floor, n)
-        late = late_win = np.zeros(n, dtype=bool)
+        late = late_win = held = np.zeros(n, dtype=bool)
     with np.errstate(invalid="ignore"):
         own_excess = np.nan_to_num(x[1:3] - c.median[1:3], nan=0.0).max(axis=0)
         gap_excess = np.nan_to_num(x[3] - c.median[3], nan=0.0)
@@ -239,7 +239,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         rule[late_win & (rule == "")] = "late_arrival_window"
         rule[late & (rule == "")] = "persistent_last_arrival"
     if root.sum() * 2 >= n:  # no healthy majority: the whole job is slow, not one rank
-        root[:] = False
+        root &= held  # a late return had its own majority, over its window: not one step's
     solid = root & ((w.awaited_k >= 3) | np.array([len(p) >= 2 for p in w.partners]))
     pair = root & ~solid
     prev, pprev = state.streak.peek(frame.rank), state.pair_streak.peek(frame.rank)
