@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.frame import StepFrame, work_group
 from rankscope.detectors.network.late_arrival import LastArrivalScan, min_count
 from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
@@ -85,6 +85,7 @@ class NetworkState(PartsState):
         "pending_held",
         "held_window",
         "job_peers",
+        "work_peers",
         "scan",
         "streak",
         "pair_streak",
@@ -119,6 +120,7 @@ class NetworkState(PartsState):
         self.pending_held: np.ndarray | None = None
         self.held_window = make_window(cfg)
         self.job_peers = PeerCache()  # the whole job as one group (late returns)
+        self.work_peers = PeerCache()  # ranks doing the same work (frame.work_group)
         self.scan = LastArrivalScan(cfg.late_window)
         self.streak = StreakCounter()
         self.pair_streak = StreakCounter()
@@ -225,9 +227,12 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     else:
         w, rule = _from_comm_s(idx, c, cfg, floor, n)
         late = late_win = held = np.zeros(n, dtype=bool)
+    # own work against every rank doing the same work, tp partners included: in a dp
+    # group of two the median is half the rank itself, and explains half its lateness
+    work = peer_consensus(state.work_peers.get(work_group(frame)), x[1:])
     with np.errstate(invalid="ignore"):
-        own_excess = np.nan_to_num(x[1:3] - c.median[1:3], nan=0.0).max(axis=0)
-        gap_excess = np.nan_to_num(x[3] - c.median[3], nan=0.0)
+        own_excess = np.nan_to_num(x[1:3] - work.median[0:2], nan=0.0).max(axis=0)
+        gap_excess = np.nan_to_num(x[3] - work.median[2], nan=0.0)
     # without arrival times the only evidence is a shorter wait: time the record does
     # not account for explains that as well as a late arrival does
     no_t0 = ~np.isfinite(w.lateness) if w.lateness.shape[0] == n else np.ones(n, dtype=bool)

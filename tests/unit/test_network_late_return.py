@@ -26,7 +26,8 @@ def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=Non
     a call completes when its last member is in; each member returns from it
     after a jitter of its own. ``slow`` returns DELAY late from its first
     reduce-scatter of each step from ``fault_from`` on; ``slow_compute`` is a
-    rank that computes 30 ms more before every call (a straggler, not a link);
+    rank that computes 40 ms more before its first call from step 10 on (a
+    straggler: it arrives late and its partners wait, but it returns on time);
     ``skew`` a rank whose clock runs 15 ms ahead.
     """
     lay = layout(2, 2)  # tp pairs {0,1} {2,3}; dp pairs {0,2} {1,3}
@@ -41,8 +42,8 @@ def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=Non
         for k in range(6):
             name, sets = groups[k % 2]
             gap = 0.001 + rng.exponential(0.004, w) + 0.01
-            if slow_compute is not None:
-                gap[slow_compute] += 0.03 / 6
+            if slow_compute is not None and k == 0 and step >= 10:
+                gap[slow_compute] += 0.04  # its forward, before the step's first call
             enter = free + gap
             for members in sets:
                 done = enter[members].max() + 0.005
@@ -60,8 +61,8 @@ def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=Non
             first_rs = first_rs and name != "dp"
         comm = np.array([sum(c["s"] for c in cs) for cs in colls])
         compute = 0.1 * (1 + 0.02 * rng.standard_normal(w))
-        if slow_compute is not None:
-            compute[slow_compute] += 0.03
+        if slow_compute is not None and step >= 10:
+            compute[slow_compute] += 0.04
         m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(w, 0.001),
              "step_s": compute + comm + 0.001}
         frames.append(make_frame(lay, step, m, collectives=colls))
@@ -90,9 +91,11 @@ def test_no_late_return_rule_fires_on_a_noisy_healthy_job():
         assert _named(outs) == [], seed
 
 
-def test_a_straggler_or_a_clock_ahead_does_not_return_late():
+def test_a_straggler_or_a_clock_ahead_is_not_a_network_fault():
+    # the straggler's own compute, against all four ranks doing the same work (its
+    # dp partner alone is half itself in a median), explains why its partners wait
     outs, _ = run(network, _tp_job(fault_from=10_000, slow_compute=1))
-    assert not [s for _, s in _named(outs) if s.evidence["rule"] == "late_return_window"]
+    assert _named(outs) == []
     outs, _ = run(network, _tp_job(fault_from=10_000, skew=3))  # learnt as its clock
     assert _named(outs) == []
     outs, _ = run(network, _tp_job(skew=3))  # and the slow rank is still found beside it
