@@ -227,12 +227,14 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     else:
         w, rule = _from_comm_s(idx, c, cfg, floor, n)
         late = late_win = held = np.zeros(n, dtype=bool)
-    # own work against every rank doing the same work, tp partners included: in a dp
-    # group of two the median is half the rank itself, and explains half its lateness
-    work = peer_consensus(state.work_peers.get(work_group(frame)), x[1:])
+    # own work against its dp peers and against every rank doing the same work (tp
+    # partners too: in a dp group of two the median is half the rank itself, and
+    # explains half its lateness); the larger excess is what its own work explains
+    work = peer_consensus(state.work_peers.get(work_group(frame)), x[1:]).median
     with np.errstate(invalid="ignore"):
-        own_excess = np.nan_to_num(x[1:3] - work.median[0:2], nan=0.0).max(axis=0)
-        gap_excess = np.nan_to_num(x[3] - work.median[2], nan=0.0)
+        excess = np.fmax(x[1:] - c.median[1:], x[1:] - work)
+        own_excess = np.nan_to_num(excess[0:2], nan=0.0).max(axis=0)
+        gap_excess = np.nan_to_num(excess[2], nan=0.0)
     # without arrival times the only evidence is a shorter wait: time the record does
     # not account for explains that as well as a late arrival does
     no_t0 = ~np.isfinite(w.lateness) if w.lateness.shape[0] == n else np.ones(n, dtype=bool)
