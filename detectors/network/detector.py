@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.frame import StepFrame, work_group
 from rankscope.detectors.network.late_arrival import LastArrivalScan, min_count
 from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
@@ -81,6 +81,11 @@ class NetworkState(PartsState):
         "pending_lateness",
         "resid",
         "pending_resid",
+        "held",
+        "pending_held",
+        "held_window",
+        "job_peers",
+        "work_peers",
         "scan",
         "streak",
         "pair_streak",
@@ -91,7 +96,7 @@ class NetworkState(PartsState):
     )
     PARTS = (
         "history", "job", "lateness", "resid", "scan",
-        "streak", "pair_streak", "rate", "pair_rate", "window",
+        "streak", "pair_streak", "rate", "pair_rate", "window", "held", "held_window",
     )  # fmt: skip
     REQUIRED = ("history", "job")
 
@@ -110,6 +115,12 @@ class NetworkState(PartsState):
         # lateness less own work excess: its per-rank usual value (clock offset, habit)
         self.resid = RankHistory(("resid",), cfg.history_steps)
         self.pending_resid: np.ndarray | None = None
+        # time still inside a collective its peers had left, and its per-rank usual value
+        self.held = RankHistory(("held",), cfg.history_steps)
+        self.pending_held: np.ndarray | None = None
+        self.held_window = make_window(cfg)
+        self.job_peers = PeerCache()  # the whole job as one group (late returns)
+        self.work_peers = PeerCache()  # ranks doing the same work (frame.work_group)
         self.scan = LastArrivalScan(cfg.late_window)
         self.streak = StreakCounter()
         self.pair_streak = StreakCounter()
@@ -119,20 +130,21 @@ class NetworkState(PartsState):
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         self.history.learn(frame.rank, frame.m, clean_mask)
-        self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
-        lat, self.pending_lateness = self.pending_lateness, None
-        if lat is not None and lat.shape[0] == frame.n:
-            # a clock offset is near constant: fill the baseline, then follow it only slowly
-            # (one step in CLOCK_EVERY), so a fault that makes a rank late is not learnt
-            # as its clock within a few steps
-            have, _ = self.lateness.median(frame.rank, "lateness")
-            slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
-            self.lateness.learn(frame.rank, {"lateness": lat}, clean_mask & slow)
-        res, self.pending_resid = self.pending_resid, None
-        if res is not None and res.shape[0] == frame.n:  # the same slow following
-            have, _ = self.resid.median(frame.rank, "resid")
-            slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
-            self.resid.learn(frame.rank, {"resid": res}, clean_mask & slow)
+        clean_frac = float(np.mean(clean_mask)) if clean_mask.size else 0.0
+        self.window.learn(clean_frac, frame.step)
+        self.held_window.learn(clean_frac, frame.step)
+        # a clock offset is near constant: fill the baseline, then follow it only slowly
+        # (one step in CLOCK_EVERY), so a fault that makes a rank late is not learnt as
+        # its clock within a few steps; its usual residual and late return the same way
+        for hist, name, pend in ((self.lateness, "lateness", "pending_lateness"),
+                                 (self.resid, "resid", "pending_resid"),
+                                 (self.held, "held", "pending_held")):
+            values = getattr(self, pend)
+            setattr(self, pend, None)
+            if values is not None and values.shape[0] == frame.n:
+                have, _ = hist.median(frame.rank, name)
+                slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
+                hist.learn(frame.rank, {name: values}, clean_mask & slow)
         if clean_mask.size == 0 or clean_mask.mean() < 0.9:  # a troubled step teaches nothing
             self.pending, self.pending_gap, self.pending_job = {}, None, None
             return
@@ -209,12 +221,20 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         rule[w.awaited_s > 0] = "last_arrival_or_shortest_wait"
         _intersection(w, state, cfg, floor, rule)
         late, late_win = _persistent_late(frame, idx, w, c, state, cfg)
+        held = _late_return(frame, w, state, cfg)
+        late |= held
+        rule[held] = "late_return_window"
     else:
         w, rule = _from_comm_s(idx, c, cfg, floor, n)
-        late = late_win = np.zeros(n, dtype=bool)
+        late = late_win = held = np.zeros(n, dtype=bool)
+    # own work against its dp peers and against every rank doing the same work (tp
+    # partners too: in a dp group of two the median is half the rank itself, and
+    # explains half its lateness); the larger excess is what its own work explains
+    work = peer_consensus(state.work_peers.get(work_group(frame)), x[1:]).median
     with np.errstate(invalid="ignore"):
-        own_excess = np.nan_to_num(x[1:3] - c.median[1:3], nan=0.0).max(axis=0)
-        gap_excess = np.nan_to_num(x[3] - c.median[3], nan=0.0)
+        excess = np.fmax(x[1:] - c.median[1:], x[1:] - work)
+        own_excess = np.nan_to_num(excess[0:2], nan=0.0).max(axis=0)
+        gap_excess = np.nan_to_num(excess[2], nan=0.0)
     # without arrival times the only evidence is a shorter wait: time the record does
     # not account for explains that as well as a late arrival does
     no_t0 = ~np.isfinite(w.lateness) if w.lateness.shape[0] == n else np.ones(n, dtype=bool)
@@ -226,7 +246,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         rule[late_win & (rule == "")] = "late_arrival_window"
         rule[late & (rule == "")] = "persistent_last_arrival"
     if root.sum() * 2 >= n:  # no healthy majority: the whole job is slow, not one rank
-        root[:] = False
+        root &= held  # a late return had its own majority, over its window: not one step's
     solid = root & ((w.awaited_k >= 3) | np.array([len(p) >= 2 for p in w.partners]))
     pair = root & ~solid
     prev, pprev = state.streak.peek(frame.rank), state.pair_streak.peek(frame.rank)
@@ -295,6 +315,31 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
             w.awaited_s[row] = max(w.awaited_s[row], float(max(corr[row], 0.0)))
             w.awaited_k[row] = max(w.awaited_k[row], int(members[row]))
     return late, window_rows
+
+
+def _late_return(frame: StepFrame, w: Waits, state: NetworkState, cfg: NetworkConfig):
+    """Rows still inside their collectives after every peer returned, step after step.
+
+    The whole job is one comparison group: a late return is one-sided (the
+    others had left), so even a rank whose groups have two members is told
+    apart, by the ranks of every group. Windowed like the late arrivals.
+    """
+    n = frame.n
+    held = w.held_s
+    state.pending_held = held
+    if held.shape[0] != n or not np.isfinite(held).any():
+        return np.zeros(n, dtype=bool)
+    count, usual = state.held.median(frame.rank, "held")
+    usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
+    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    hit, mean, _ = late_residual_hits(
+        state.job_peers.get(np.zeros(n, dtype=np.int64)), frame.rank, held, None, usual,
+        state.held_window, floor_s=floor, chance=cfg.chance_findings_per_step,
+    )
+    for row in np.flatnonzero(hit):
+        w.awaited_s[row] = max(w.awaited_s[row], float(mean[row]))
+        w.awaited_k[row] = max(w.awaited_k[row], n)
+    return hit
 
 
 def _job_comm_high(state: NetworkState, cfg: NetworkConfig) -> bool:

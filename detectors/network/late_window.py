@@ -17,13 +17,13 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
     """(hit mask, window mean excess residual seconds, this step's residuals) per row.
 
     ``lat``: arrival lateness (s, NaN where unknown); ``own``: the row's compute
-    + input time (s); ``usual``: each rank's usual residual in clean steps (its
-    clock offset and habits; NaN until learnt, and then the rank is not judged).
+    + input time (s), None where its work does not bear on ``lat``; ``usual``: each
+    rank's usual residual in clean steps (its clock offset and habits; NaN until
+    learnt, and then the rank is not judged).
     """
     n = ranks.shape[0]
-    c_own = peer_consensus(idx, own)
     with np.errstate(invalid="ignore"):
-        raw = lat - (own - c_own.median[0])
+        raw = lat if own is None else lat - (own - peer_consensus(idx, own).median[0])
         resid = raw - usual
     c = peer_consensus(idx, resid)
     count = c.count[0]
@@ -43,12 +43,13 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
         return hit, mean, raw
     ok, _, _, ex, _ = ws.qualify(
         ranks[rows], scale[rows], held[rows], z_threshold(n, len(ws.lengths), chance),
-        lambda _lr, ex: ex > floor_s,
+        lambda _lr, ex: ex > floor_s, lambda _lr, ex: ex > 0.5 * floor_s,
     )
     # A named rank stays named on its longest window, which still holds the
-    # delayed steps for a long window after the delay ends; it is released once
-    # its shortest window has dropped under half the floor (the last few steps
-    # are back to normal), so the incident ends where the delay did.
+    # delayed steps for a long window after the delay ends, or on its shortest
+    # one at half the floor (a delay younger than the longest window); it is
+    # released once its shortest window has dropped under half the floor (the
+    # last few steps are back to normal), so the incident ends where the delay did.
     _, recent = ws.means(ranks[rows], np.full(rows.size, ws.lengths[0]))
     with np.errstate(invalid="ignore"):
         ok &= ~(held[rows] & (recent < 0.5 * floor_s))

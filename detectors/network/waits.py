@@ -31,6 +31,9 @@ class Waits:
     gaps: list[float] = field(default_factory=list)  # each instance's wait for its last member
     # mean over the row's instances of (its t0 - the instance's median t0); NaN without t0
     lateness: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the longest the row stayed inside one symmetric collective after every other member
+    # had returned from it (``t0 + s``); NaN where no instance had every member's times
+    held_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     instances: int = 0
 
 
@@ -52,8 +55,30 @@ def _mix(cols: list[np.ndarray]) -> np.ndarray:
     return key
 
 
+# device-mesh dimension names (torchtitan, FSDP/HSDP) that name a group of one axis;
+# every stage of a pipeline has its own group of the same name
+_MESH_AXES = {
+    "dp_replicate": "dp", "replicate": "dp", "ddp": "dp", "hsdp": "dp",
+    "dp_shard": "dp", "shard": "dp", "fsdp": "dp", "data": "dp", "data_parallel": "dp",
+    "tensor": "tp", "tensor_parallel": "tp", "pipeline": "pp", "pipeline_parallel": "pp",
+    "context": "cp", "expert": "ep",
+}  # fmt: skip
+# under HSDP a replicate group holds one shard of every replica, a shard group one replica
+_REPLICATE, _SHARD = {"dp_replicate", "replicate"}, {"dp_shard", "shard"}
+# a transfer between ranks, not a collective everyone waits in for its last member: a
+# rank blocked in one waited (a victim), and a slow one is slow inside, but it names no
+# one late (pipeline schedules' sequence numbers need not pair a send with its receive)
+POINT_TO_POINT = frozenset({"send", "recv", "p2p"})
+# every member returns once the last contribution is in: no root that may leave first
+SYMMETRIC = frozenset({"allreduce", "allgather", "reduce_scatter", "alltoall", "barrier"})
+
+
 def _key_for(name: str, keys: dict[str, np.ndarray], frame: StepFrame) -> np.ndarray | None:
     if name in keys:
+        return keys[name]
+    axis = _MESH_AXES.get(name)
+    if axis is not None:
+        keys[name] = _mesh_key(name, keys[axis], frame)
         return keys[name]
     parts = name.replace("-", "_").split("_")
     if len(parts) > 1 and all(p in COORD_NAMES for p in parts):
@@ -62,6 +87,19 @@ def _key_for(name: str, keys: dict[str, np.ndarray], frame: StepFrame) -> np.nda
         keys[name] = _mix(coords) if coords else np.zeros(frame.n, dtype=np.int64)
         return keys[name]
     return None
+
+
+def _mesh_key(name: str, base: np.ndarray, frame: StepFrame) -> np.ndarray:
+    """Members of a mesh-dimension group: equal in the axis's other coordinates and,
+    under HSDP, in their ``shard`` (a replicate group) or their replica (a shard group:
+    ``dp - shard``, dp numbering replicas outer as the collector does)."""
+    shard = frame.m.get("shard")
+    if shard is None or not np.isfinite(shard).any() or name not in _REPLICATE | _SHARD:
+        return base
+    sh = np.nan_to_num(shard, nan=0.0).astype(np.int64)
+    if name in _SHARD:
+        sh = np.asarray(frame.coords.get("dp", np.zeros(frame.n)), dtype=np.int64) - sh
+    return _mix([base, sh])
 
 
 def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
@@ -74,13 +112,14 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         awaited_k=np.zeros(n, dtype=np.int64),
         partners=[set() for _ in range(n)],
         lateness=np.full(n, np.nan),
+        held_s=np.full(n, np.nan),
     )
     if not frame.collectives:
         return out
     late_sum = np.zeros(n)
     late_cnt = np.zeros(n)
     keys = _member_keys(frame)
-    inst: dict[tuple, list[tuple[int, float, float]]] = defaultdict(list)
+    inst: dict[tuple, list[tuple[int, float, float, str | None]]] = defaultdict(list)
     for row, colls in enumerate(frame.collectives):
         if not colls:
             continue
@@ -96,22 +135,30 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
             t0 = c.get("t0")
             s = np.nan if s is None else float(s)
             t0 = np.nan if t0 is None else float(t0)
-            inst[(name, member, seq)].append((row, s, t0))
+            inst[(name, member, seq)].append((row, s, t0, c.get("op")))
     by_name: dict[str, list[float]] = defaultdict(list)
     for (name, _, _), members in inst.items():
         if len(members) < 2:
             continue
-        out.instances += 1
         rows = np.array([m[0] for m in members], dtype=np.int64)
         s = np.array([m[1] for m in members])
         t0 = np.array([m[2] for m in members])
+        out.instances += 1
         inside_s = float(np.nanmin(s)) if np.isfinite(s).any() else np.nan
         if np.isfinite(inside_s):
             by_name[name].append(inside_s)
             out.inside.append((name, inside_s, rows))
+        if any(m[3] in POINT_TO_POINT for m in members):
+            a, _, excess = _awaited(s, t0, floor_s)
+            if a >= 0:
+                others = np.arange(rows.size) != a
+                np.maximum.at(out.waited_s, rows[others], excess[others])
+            continue
         if np.isfinite(t0).all():
             late_sum[rows] += t0 - np.median(t0)
             late_cnt[rows] += 1
+            if np.isfinite(s).all() and all(m[3] in SYMMETRIC for m in members):
+                _held(out.held_s, rows, t0 + s)
         a, gap, excess = _awaited(s, t0, floor_s)
         out.gaps.append(max(gap, 0.0))
         if a < 0:
@@ -126,6 +173,13 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
     with np.errstate(invalid="ignore", divide="ignore"):
         out.lateness = np.where(late_cnt > 0, late_sum / late_cnt, np.nan)
     return out
+
+
+def _held(held: np.ndarray, rows: np.ndarray, end: np.ndarray) -> None:
+    """Raise each row's ``held`` to how long it returned after the last of the others."""
+    top2 = np.sort(end)[-2:]
+    after = end - np.where(end == top2[1], top2[0], top2[1])  # the others' latest return
+    held[rows] = np.fmax(held[rows], np.maximum(after, 0.0))
 
 
 def _awaited(s: np.ndarray, t0: np.ndarray, floor_s: float) -> tuple[int, float, np.ndarray]:
