@@ -12,6 +12,7 @@ import time
 import numpy as np
 import orjson
 from rankscope.pipeline.bus.decode_pool import POOL_MIN_BYTES, DecodePool, decode_outcome
+from rankscope.pipeline.bus.decode_worker import claim_front
 from support.engine_synth import one_step_record
 
 
@@ -70,9 +71,9 @@ def test_start_brings_the_workers_up_before_any_batch():
     pool = DecodePool(1)
     try:
         pool.start()
-        assert pool._pool is not None and pool._warm is not None
-        pool._warm.result(timeout=60)  # the worker answers without any outcomes() call
-        assert pool._started()
+        assert len(pool._procs) == 1
+        _warm(pool, None)  # the worker answers without any outcomes() call
+        assert pool._ready == {0}
         values = _values()
         got = list(pool.outcomes(values, 32))
         for a, b in zip(got, (decode_outcome(v, 32) for v in values), strict=True):
@@ -83,25 +84,51 @@ def test_start_brings_the_workers_up_before_any_batch():
         pool.close()
 
 
-def test_the_loop_decodes_the_parts_no_worker_took_while_it_would_wait():
-    """Work stealing: while part 0 is not back, the parts still queued (cancellable) are
-    decoded in the loop, from the last one back; a part a worker runs is left to it."""
-    from concurrent.futures import Future
+def test_the_loop_takes_parts_from_the_back_while_a_worker_holds_the_next(caplog):
+    """Work stealing: while part 0 is a worker's (here: a worker stopped after taking it),
+    the loop decodes the parts no one took, from the last one back; a worker that sends
+    nothing for ``stall_s`` is said once and its part is decoded in the loop."""
+    values = _values()
+    pool = DecodePool(1, stall_s=1.0)
+    order: list[int] = []
+    part = pool._part
+    pool._part = lambda v, k, m: (order.append(k), part(v, k, m))[1]
+    pid = None
+    try:
+        _warm(pool, values)
+        pid = pool._procs[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        gen = pool.outcomes(values, 32)  # the batch is posted; no worker runs
+        assert claim_front(pool._claim, pool._batch) == 0  # as a worker would take part 0
+        with caplog.at_level(logging.WARNING, logger="rankscope.serve"):
+            got = list(gen)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)  # the pool, closed when it gave up, terminated it
+        pool.close()
+    assert order == list(range(len(values) - 1, 0, -1)) + [0]
+    for a, b in zip(got, (decode_outcome(v, 32) for v in values), strict=True):
+        _same(a, b)
+    said = [r for r in caplog.records if "decode workers unusable" in r.getMessage()]
+    assert len(said) == 1 and "no decoded part came back" in said[0].getMessage()
 
-    values = _values()[:4]
-    parts = [Future() for _ in values]
-    parts[1].set_running_or_notify_cancel()  # taken by a worker: not the loop's
+
+def test_a_batch_left_half_read_does_not_mix_with_the_next():
+    """A caller that stops reading a batch (an engine error) leaves parts with the
+    workers; the next batch waits for them and gets only its own outcomes."""
+    values = _values()
     pool = DecodePool(1)
-    here: dict = {}
-    pool._steal(parts, 0, here, values, 32)
-    assert sorted(here) == [2, 3]
-    assert parts[2].cancelled() and parts[3].cancelled() and not parts[1].cancelled()
-    for j in (2, 3):
-        _same(here[j][0], decode_outcome(values[j], 32))
-    parts[0].set_result([decode_outcome(values[0], 32)])
-    more: dict = {}
-    pool._steal(parts, 0, more, values, 32)  # part 0 is back: nothing more to take
-    assert more == {}
+    try:
+        _warm(pool, values)
+        gen = pool.outcomes(values, 32)
+        next(gen)
+        del gen
+        other = values[2:] + values[:2]
+        got = list(pool.outcomes(other, 32))
+    finally:
+        pool.close()
+    for a, b in zip(got, (decode_outcome(v, 32) for v in other), strict=True):
+        _same(a, b)
 
 
 def test_a_dead_worker_is_said_once_and_the_loop_decodes(caplog):
@@ -110,8 +137,8 @@ def test_a_dead_worker_is_said_once_and_the_loop_decodes(caplog):
     try:
         list(pool.outcomes(values, 32))
         _warm(pool, values)
-        for pid in list(pool._pool._processes):
-            os.kill(pid, signal.SIGKILL)
+        for w in pool._procs:
+            os.kill(w.proc.pid, signal.SIGKILL)
         time.sleep(0.5)
         with caplog.at_level(logging.WARNING, logger="rankscope.serve"):
             got = [list(pool.outcomes(values, 32)) for _ in range(3)]
