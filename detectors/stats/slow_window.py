@@ -42,9 +42,28 @@ class SlowWindow:
     """Per-rank rings of standardized log ratios, and per-group noise baselines."""
 
     __slots__ = (
-        "lengths", "clip", "history", "min_steps", "size",
-        "zr", "lr", "ex", "ok", "pos", "sums", "counts",
-        "keys", "sig", "zvar", "sig_n", "var_n", "pending", "active",
+        "lengths",
+        "clip",
+        "history",
+        "min_steps",
+        "size",
+        "zr",
+        "lr",
+        "ex",
+        "ok",
+        "pos",
+        "sums",
+        "counts",
+        "lr_sums",
+        "ex_sums",
+        "odd",
+        "keys",
+        "sig",
+        "zvar",
+        "sig_n",
+        "var_n",
+        "pending",
+        "active",
     )
 
     def __init__(
@@ -72,20 +91,37 @@ class SlowWindow:
         self.active = np.zeros(n, dtype=bool)  # named by the test, not yet cleared
         self.sums = np.zeros((len(self.lengths), n))
         self.counts = np.zeros((len(self.lengths), n))
+        # per window length, the sums of lr and ex over it (``means`` without a gather),
+        # of finite readings only; ``odd`` counts the others (``means`` gathers those ranks)
+        self.lr_sums = np.zeros((len(self.lengths), n))
+        self.ex_sums = np.zeros((len(self.lengths), n))
+        self.odd = np.zeros((len(self.lengths), n))
 
     def _grow(self, top: int) -> None:
         have = self.pos.shape[0]
         if top <= have:
             return
         new = max(top, 2 * have)
-        old = (self.zr, self.lr, self.ex, self.ok, self.pos, self.sums, self.counts,
-               self.active)
+        old = (
+            self.zr,
+            self.lr,
+            self.ex,
+            self.ok,
+            self.pos,
+            self.sums,
+            self.counts,
+            self.active,
+            self.lr_sums,
+            self.ex_sums,
+            self.odd,
+        )
         self._reset_ranks(new)
         self.zr[:, :have], self.lr[:, :have], self.ex[:, :have] = old[:3]
         self.ok[:, :have] = old[3]
         self.pos[:have] = old[4]
         self.sums[:, :have], self.counts[:, :have] = old[5], old[6]
         self.active[:have] = old[7]
+        self.lr_sums[:, :have], self.ex_sums[:, :have], self.odd[:, :have] = old[8:]
 
     # -- noise baseline per group (learnt from clean steps only) --
 
@@ -181,13 +217,20 @@ class SlowWindow:
         p = self.pos[r] if not isinstance(r, slice) else int(self.pos[0])
         cols = r if not isinstance(r, slice) else np.s_[r]
         vf = valid.astype(np.float64)
+        lrnew = np.where(valid, sub(log_ratio), 0.0)
+        exnew = np.where(valid, sub(excess_s), 0.0)
+        lr_f, ex_f, odd = _finite_parts(lrnew, exnew)
         for i, w in enumerate(self.lengths):  # slide every window by one reading
             old = (p - w) % self.size  # empty slots hold z = 0, ok = 0
             self.sums[i, cols] += znew - self.zr[old, cols]
             self.counts[i, cols] += vf - self.ok[old, cols]
+            o_lr, o_ex, o_odd = _finite_parts(self.lr[old, cols], self.ex[old, cols])
+            self.lr_sums[i, cols] += lr_f - o_lr
+            self.ex_sums[i, cols] += ex_f - o_ex
+            self.odd[i, cols] += odd - o_odd
         self.zr[p, cols] = znew
-        self.lr[p, cols] = np.where(valid, sub(log_ratio), 0.0)
-        self.ex[p, cols] = np.where(valid, sub(excess_s), 0.0)
+        self.lr[p, cols] = lrnew
+        self.ex[p, cols] = exnew
         self.ok[p, cols] = vf
         self.pos[r] = (p + 1) % self.size
         best = np.full(zz.shape[0], -np.inf)
@@ -298,11 +341,33 @@ class SlowWindow:
             sel = np.flatnonzero(steps == w)
             if w <= 0 or sel.size == 0:
                 continue
+            if w in self.lengths:  # the running sums, where every reading is finite
+                i = self.lengths.index(w)
+                r = ranks[sel]
+                k = np.maximum(self.counts[i, r], 1)
+                lr[sel] = self.lr_sums[i, r] / k
+                ex[sel] = self.ex_sums[i, r] / k
+                sel = sel[self.odd[i, r] > 0]
+                if sel.size == 0:
+                    continue
             rc, cols, ok = self._last(ranks[sel], int(w))
             k = np.maximum(ok.sum(axis=1), 1)
             lr[sel] = np.where(ok, self.lr[cols, rc], 0.0).sum(axis=1) / k
             ex[sel] = np.where(ok, self.ex[cols, rc], 0.0).sum(axis=1) / k
         return lr, ex
+
+    def _rebuild_means(self) -> None:
+        """The running lr / ex sums from the rings (they are not saved: derived)."""
+        n = self.pos.shape[0]
+        r = np.arange(n)
+        for i, w in enumerate(self.lengths):
+            rc, cols, _ok = self._last(r, w)
+            lr_f, ex_f, odd = _finite_parts(self.lr[cols, rc], self.ex[cols, rc])
+            self.lr_sums[i], self.ex_sums[i], self.odd[i] = (
+                lr_f.sum(axis=1),
+                ex_f.sum(axis=1),
+                odd.sum(axis=1),
+            )
 
     def state_dict(self) -> dict:
         def fl(a):
@@ -341,6 +406,7 @@ class SlowWindow:
             self.active[np.asarray(d.get("active", []), dtype=np.int64)] = True
             self.sums[:] = np.asarray(d["sums"], float).reshape(len(self.lengths), n)
             self.counts[:] = np.asarray(d["counts"], float).reshape(len(self.lengths), n)
+            self._rebuild_means()
         self.keys = np.asarray(d.get("keys", []), dtype=np.int64)
         g = self.keys.shape[0]
         sig = np.array(d.get("sig", []), dtype=object).reshape(g, self.history)
@@ -351,3 +417,11 @@ class SlowWindow:
         self.zvar = zvar.astype(np.float64)
         self.sig_n = np.asarray(d.get("sig_n", []), dtype=np.int64)
         self.var_n = np.asarray(d.get("var_n", []), dtype=np.int64)
+
+
+def _finite_parts(lr: np.ndarray, ex: np.ndarray):
+    """(lr, ex) with 0 where either is not finite, and 1.0 there (the running sums' parts)."""
+    fin = np.isfinite(lr) & np.isfinite(ex)
+    if fin.all():
+        return lr, ex, np.zeros(lr.shape)
+    return np.where(fin, lr, 0.0), np.where(fin, ex, 0.0), (~fin).astype(np.float64)
