@@ -112,10 +112,20 @@ class RankHistory:
         """(count, median, the windows with NaN gaps) of ``ranks``."""
         k = ranks.shape[0]
         known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
-        sub = np.full((k, self.window), np.nan)
-        sub[known] = self.buf[self._mi[metric], ranks[known]]
-        sub = np.where(np.isfinite(sub), sub, np.nan)
-        count = np.sum(~np.isnan(sub), axis=1)
+        buf = self.buf[self._mi[metric]]
+        if known.all():  # the usual call (every rank of the step): one gather, no mask
+            sub = (
+                buf[:k]
+                if k and ranks[0] == 0 and ranks[-1] == k - 1 and _is_range(ranks)
+                else buf[ranks]
+            )
+        else:
+            sub = np.full((k, self.window), np.nan)
+            sub[known] = buf[ranks[known]]
+        finite = np.isfinite(sub)
+        if not finite.all():  # gaps (NaN) and infinities both count as no reading
+            sub = np.where(finite, sub, np.nan)
+        count = finite.sum(axis=1)
         s = np.sort(sub, axis=1)
         with np.errstate(invalid="ignore"):
             med = quantile_sorted(s, count, 0.5)
@@ -170,3 +180,8 @@ def _sigma(sub: np.ndarray, count: np.ndarray, med: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         dev = np.sort(np.abs(sub - med[:, None]), axis=1)
         return MAD_TO_SIGMA * quantile_sorted(dev, count, 0.5)
+
+
+def _is_range(ranks: np.ndarray) -> bool:
+    """``ranks`` is 0, 1, ..., k - 1 (then the rows are a view of the buffer, no copy)."""
+    return bool(np.array_equal(ranks, np.arange(ranks.shape[0])))
