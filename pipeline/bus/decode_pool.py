@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -43,6 +44,9 @@ POOL_MIN_BYTES = 512 << 10
 """A batch of message values this large goes to the workers (the loop feeds one message
 while they decode the next); a smaller one is decoded in the loop, where it costs less
 than the hand-over."""
+
+SEGMENT_SPARE = 64 << 20
+"""The shared segment grows to twice the largest batch seen, up to this much spare."""
 
 
 class Outcome(NamedTuple):
@@ -140,12 +144,23 @@ class DecodePool:
             w.tasks.send(head)
 
     def _new_segment(self, size: int) -> None:
-        old = self._shm
-        grown = max(size, 2 * old.size if old is not None else 0, 16 << 20)
-        self._shm = shared_memory.SharedMemory(create=True, size=grown)
+        """A segment for ``size`` bytes (room to grow, up to ``SEGMENT_SPARE``), its pages
+        reserved now: a full /dev/shm (64 MiB in a default container) then fails here,
+        with a reason, where writing into a sparse one would kill the process (SIGBUS)."""
+        old, self._shm = self._shm, None
         if old is not None:  # no worker reads it: the last batch is settled
             old.close()
             old.unlink()
+        grown = max(size, min(2 * old.size if old is not None else 0, SEGMENT_SPARE), 16 << 20)
+        shm = shared_memory.SharedMemory(create=True, size=grown)
+        try:
+            os.posix_fallocate(shm._fd, 0, grown)
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            raise OSError(exc.errno, f"cannot reserve {grown >> 20} MiB of shared memory for "
+                          f"the decode workers: {exc.strerror}") from exc  # fmt: skip
+        self._shm = shm
 
     def _collect(self, batch: int, values: list, min_columns: int):
         here: dict[int, list[Outcome]] = {}  # parts taken back from the workers' queue

@@ -64,7 +64,12 @@ def claim_back(claim, batch: int, above: int) -> int | None:
 
 def worker_main(wid: int, tasks, results, claim) -> None:
     """Run in the worker process until the loop sends None or goes away."""
+    import signal
     from multiprocessing import shared_memory
+
+    # Ctrl-C reaches the whole process group: ``serve`` finishes its batch and closes
+    # the pool; a worker that died of it first would read as a broken pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from rankscope.pipeline.bus.decode_pool import decode_all
 

@@ -150,3 +150,30 @@ def test_a_dead_worker_is_said_once_and_the_loop_decodes(caplog):
     for run in got:
         for a, b in zip(run, inline, strict=True):
             _same(a, b)
+
+
+def test_no_room_for_the_segment_is_said_once_and_the_loop_decodes(caplog, monkeypatch):
+    """A full /dev/shm: the reservation fails with the reason (writing into a sparse
+    segment would have killed the process with SIGBUS) and the loop decodes."""
+    import errno
+
+    import rankscope.pipeline.bus.decode_pool as dp
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    values = _values()
+    pool = DecodePool(1)
+    try:
+        _warm(pool, values)
+        monkeypatch.setattr(dp.os, "posix_fallocate", full)
+        with caplog.at_level(logging.WARNING, logger="rankscope.serve"):
+            got = [list(pool.outcomes(values, 32)) for _ in range(2)]
+    finally:
+        pool.close()
+    said = [r.getMessage() for r in caplog.records if "decode workers unusable" in r.getMessage()]
+    assert len(said) == 1 and "cannot reserve" in said[0] and "No space left" in said[0]
+    for run in got:
+        for a, b in zip(run, (decode_outcome(v, 32) for v in values), strict=True):
+            _same(a, b)
+    assert not pool._procs  # the workers were stopped
