@@ -33,8 +33,15 @@ from collections.abc import Iterator
 from multiprocessing import connection, shared_memory
 from typing import NamedTuple
 
-from rankscope.pipeline.bus.decode import StepBatch, decode_message
-from rankscope.pipeline.bus.decode_worker import claim_back, claim_this, widen, worker_main
+from rankscope.pipeline.bus.decode_worker import (
+    Outcome,
+    claim_back,
+    claim_this,
+    decode_all,
+    decode_outcome,
+    widen,
+    worker_main,
+)
 
 __all__ = ["DecodePool", "Outcome", "decode_outcome", "decode_all", "POOL_MIN_BYTES"]
 
@@ -47,34 +54,6 @@ than the hand-over."""
 
 SEGMENT_SPARE = 64 << 20
 """The shared segment grows to twice the largest batch seen, up to this much spare."""
-
-
-class Outcome(NamedTuple):
-    """One message decoded: ``batch`` (step columns) or ``records``, plus ``bad``
-    ``(index, reason, record)`` elements; ``error`` is the dead-letter reason of a
-    message that is unusable as a whole (then nothing else is set)."""
-
-    batch: StepBatch | None
-    records: list
-    bad: list
-    error: str | None
-
-
-def decode_outcome(value: bytes | None, min_columns: int) -> Outcome:
-    """``decode_message`` of one value, failures included, as an ``Outcome``."""
-    good: list = []
-    bad: list = []
-    try:
-        batch = decode_message(value, good, bad, min_columns=min_columns)
-    except Exception as exc:  # noqa: BLE001 - any failure is this message's
-        why = (str(exc) if isinstance(exc, ValueError)
-               else f"decode error: {type(exc).__name__}: {exc}")  # fmt: skip
-        return Outcome(None, [], [], why)
-    return Outcome(batch, good, bad, None)
-
-
-def decode_all(values: list, min_columns: int) -> list[Outcome]:
-    return [decode_outcome(v, min_columns) for v in values]
 
 
 class _Worker(NamedTuple):

@@ -1,4 +1,7 @@
-"""The decode worker process of ``DecodePool``: claims parts of a batch, sends back outcomes.
+"""What a decode worker computes (``decode_outcome``) and the process that runs it.
+
+The same ``decode_outcome`` runs in the loop and in the worker, so a message's
+outcome does not depend on where it was decoded.
 
 A batch's message values sit in one shared-memory segment that the loop wrote;
 the loop sends each worker a small header (batch number, segment name, the
@@ -17,13 +20,45 @@ from __future__ import annotations
 
 import fcntl
 import pickle
+from typing import NamedTuple
 
-__all__ = ["worker_main", "widen", "claim_front", "claim_this", "claim_back", "PIPE_BYTES"]
+from rankscope.pipeline.bus.decode import StepBatch, decode_message
+
+__all__ = ["Outcome", "decode_outcome", "decode_all", "worker_main", "widen", "claim_front",
+           "claim_this", "claim_back", "PIPE_BYTES"]  # fmt: skip
 
 PIPE_BYTES = 1 << 20
 """Pipe buffer asked for (Linux caps it at /proc/sys/fs/pipe-max-size, 1 MiB by default)."""
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class Outcome(NamedTuple):
+    """One message decoded: ``batch`` (step columns) or ``records``, plus ``bad``
+    ``(index, reason, record)`` elements; ``error`` is the dead-letter reason of a
+    message that is unusable as a whole (then nothing else is set)."""
+
+    batch: StepBatch | None
+    records: list
+    bad: list
+    error: str | None
+
+
+def decode_outcome(value: bytes | None, min_columns: int) -> Outcome:
+    """``decode_message`` of one value, failures included, as an ``Outcome``."""
+    good: list = []
+    bad: list = []
+    try:
+        batch = decode_message(value, good, bad, min_columns=min_columns)
+    except Exception as exc:  # noqa: BLE001 - any failure is this message's
+        why = (str(exc) if isinstance(exc, ValueError)
+               else f"decode error: {type(exc).__name__}: {exc}")  # fmt: skip
+        return Outcome(None, [], [], why)
+    return Outcome(batch, good, bad, None)
+
+
+def decode_all(values: list, min_columns: int) -> list[Outcome]:
+    return [decode_outcome(v, min_columns) for v in values]
 
 
 def widen(conn) -> None:
@@ -70,8 +105,6 @@ def worker_main(wid: int, tasks, results, claim) -> None:
     # Ctrl-C reaches the whole process group: ``serve`` finishes its batch and closes
     # the pool; a worker that died of it first would read as a broken pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    from rankscope.pipeline.bus.decode_pool import decode_all
 
     widen(results)
     results.send_bytes(pickle.dumps(("ready", wid)))
