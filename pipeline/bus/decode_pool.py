@@ -249,24 +249,27 @@ class DecodePool:
             log.warning("decode workers unusable (%s: %s); decoding in the loop from now on",
                         type(exc).__name__, exc)  # fmt: skip
         self._broken = True
-        self.close()
+        self.close(force=True)
 
-    def close(self) -> None:
+    def close(self, *, force: bool = False) -> None:
+        """Tell the workers to exit and let go of them: a healthy worker exits on its own
+        (``serve`` does not wait for its interpreter to wind down); ``force`` (a broken or
+        stalled pool) terminates them, then kills one that is stopped."""
         procs, self._procs = self._procs, []
         for w in procs:
             try:
                 w.tasks.send(None)
             except (OSError, ValueError):  # gone already
                 pass
+            w.tasks.close()
+            w.results.close()  # a worker still sending gets EPIPE and exits
         for w in procs:
-            w.proc.join(timeout=1.0)
-            if w.proc.is_alive():
+            if force and w.proc.is_alive():
                 w.proc.terminate()
                 w.proc.join(timeout=1.0)
-            if w.proc.is_alive():  # a stopped process keeps a SIGTERM pending
-                w.proc.kill()
-            w.tasks.close()
-            w.results.close()
+                if w.proc.is_alive():  # a stopped process keeps a SIGTERM pending
+                    w.proc.kill()
+            w.proc.join(timeout=0)  # reaped if it has exited; else when it does
         shm, self._shm = self._shm, None
         if shm is not None:
             shm.close()
