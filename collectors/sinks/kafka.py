@@ -23,8 +23,8 @@ the beats around it share one message; consumers accept both shapes).
 
 URL options (besides those of ``rankscope.collectors.schema.kafka``):
 ``acks`` (``1``, ``all`` or ``0``; default 1), ``linger_ms`` (default 50),
-``compression`` (``gzip`` default, ``none``; ``lz4``/``zstd`` when their Python
-packages are installed), ``buffer_records`` (default 50000),
+``compression`` (``lz4`` default, ``gzip``, ``zstd``, ``snappy`` or ``none``; a codec
+whose Python package is missing falls back to gzip), ``buffer_records`` (default 50000),
 ``flush_timeout_s`` (default 5).
 """
 
@@ -37,13 +37,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rankscope.collectors.schema.kafka import KafkaUrl, idempotence_kwargs, topic_for_record
+from rankscope.collectors.schema.kafka import (
+    COMPRESSIONS,
+    DEFAULT_COMPRESSION,
+    KafkaUrl,
+    compression_type,
+    idempotence_kwargs,
+    topic_for_record,
+)
 
 __all__ = ["KafkaSink", "KafkaSinkConfig"]
 
 log = logging.getLogger(__name__)
-
-_COMPRESSIONS = ("gzip", "none", "lz4", "zstd", "snappy")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,8 +59,8 @@ class KafkaSinkConfig:
     """Broker acknowledgement: ``0``, ``1`` (leader) or ``all`` (every in-sync replica)."""
     linger_ms: int = 50
     """How long the producer waits to fill a batch; larger batches, fewer requests."""
-    compression: str = "gzip"
-    """Batch compression codec, ``none`` to turn it off."""
+    compression: str = DEFAULT_COMPRESSION
+    """Batch compression codec (``rankscope.collectors.schema.kafka``), ``none`` to turn it off."""
     buffer_records: int = 50_000
     """Most records held while the broker is slow or away (buffer + unacknowledged)."""
     flush_timeout_s: float = 5.0
@@ -68,9 +73,9 @@ class KafkaSinkConfig:
             raise ValueError(f"kafka sink: acks={self.acks!r}; want 0, 1 or all")
         if not 0 <= self.linger_ms <= 60_000:
             raise ValueError(f"kafka sink: linger_ms={self.linger_ms} outside 0..60000")
-        if self.compression not in _COMPRESSIONS:
+        if self.compression not in COMPRESSIONS:
             raise ValueError(
-                f"kafka sink: compression={self.compression!r}; want one of {_COMPRESSIONS}"
+                f"kafka sink: compression={self.compression!r}; want one of {COMPRESSIONS}"
             )
         if self.buffer_records < 1:
             raise ValueError(f"kafka sink: buffer_records={self.buffer_records} must be >= 1")
@@ -121,7 +126,7 @@ class KafkaSink:
         cfg = KafkaSinkConfig(
             acks=parsed.option("acks", "1"),
             linger_ms=parsed.option("linger_ms", 50, int),
-            compression=parsed.option("compression", "gzip"),
+            compression=parsed.option("compression", DEFAULT_COMPRESSION),
             buffer_records=parsed.option("buffer_records", 50_000, int),
             flush_timeout_s=float(parsed.option("flush_timeout_s", "5")),
         )
@@ -228,7 +233,7 @@ class KafkaSink:
             **idempotence_kwargs(acks, KafkaProducer.DEFAULT_CONFIG),
             acks=acks,
             linger_ms=cfg.linger_ms,
-            compression_type=None if cfg.compression == "none" else cfg.compression,
+            compression_type=compression_type(cfg.compression),
             max_block_ms=200,
             bootstrap_timeout_ms=2000,
             reconnect_backoff_ms=100,

@@ -31,7 +31,13 @@ from __future__ import annotations
 import logging
 
 import orjson
-from rankscope.collectors.schema.kafka import TOPIC_KINDS, KafkaUrl, idempotence_kwargs
+from rankscope.collectors.schema.kafka import (
+    DEFAULT_COMPRESSION,
+    TOPIC_KINDS,
+    KafkaUrl,
+    compression_type,
+    idempotence_kwargs,
+)
 from rankscope.pipeline.traces.validate import parse_json
 
 __all__ = ["KafkaBus", "encode_records", "decode_value"]
@@ -129,6 +135,9 @@ class KafkaBus:
 
         kw = {
             "linger_ms": 20,
+            "compression_type": compression_type(
+                self.url.option("compression", DEFAULT_COMPRESSION)
+            ),  # fmt: skip
             "batch_size": 1 << 20,
             "max_request_size": 8 << 20,
             "acks": 1,

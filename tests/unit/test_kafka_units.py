@@ -379,3 +379,25 @@ def test_producers_opt_out_of_idempotence_only_when_acks_is_not_all():
         {"enable_idempotence": False} if "enable_idempotence" in defaults else {})
     assert idempotence_kwargs("all", defaults) == idempotence_kwargs(-1, defaults) == {}
     assert idempotence_kwargs(1, {"acks": 1}) == {}  # a client without the setting
+
+
+def test_a_codec_without_its_package_falls_back_to_gzip_said_once(monkeypatch, caplog):
+    """lz4 is the default codec; where its package is missing the producers still send
+    (gzip, in the standard library) and say why once."""
+    import logging
+
+    from kafka import codec
+    from rankscope.collectors.schema import kafka as schema
+    from rankscope.collectors.sinks.kafka import KafkaSinkConfig
+
+    assert KafkaSinkConfig().compression == "lz4"
+    assert schema.compression_type("lz4") == "lz4" and schema.compression_type("none") is None
+    monkeypatch.setattr(codec, "has_lz4", lambda: False)
+    monkeypatch.setattr(schema, "_said_codec", set())
+    with caplog.at_level(logging.WARNING, logger="rankscope.kafka"):
+        got = [schema.compression_type("lz4") for _ in range(3)]
+    assert got == ["gzip"] * 3
+    said = [r.getMessage() for r in caplog.records if "compression lz4" in r.getMessage()]
+    assert len(said) == 1 and "using gzip" in said[0]
+    with pytest.raises(ValueError, match="compression='brotli'"):
+        schema.compression_type("brotli")
