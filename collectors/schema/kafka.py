@@ -170,10 +170,10 @@ COMPRESSIONS = ("lz4", "gzip", "zstd", "snappy", "none")
 """Batch codecs a producer may be asked for (URL option ``compression``)."""
 
 DEFAULT_COMPRESSION = "lz4"
-"""lz4: telemetry JSON shrinks about 3x at some 650 MB/s a core, so the sink costs the
+"""lz4: telemetry JSON shrinks about 3x at 450-650 MB/s a core, so the sink costs the
 training process little and ``serve``'s client copies a third of the bytes (on the
-live bench, 1.2-1.4x the records a second of uncompressed messages; gzip at
-kafka-python's level 9 compresses about 30x slower)."""
+live bench, 1.1-1.4x the records a second of uncompressed messages; gzip at
+kafka-python's level 9 compresses 20-30x slower, 20 MB/s)."""
 
 _said_codec: set[str] = set()
 

@@ -114,11 +114,7 @@ class RankHistory:
         known = usable_ranks(ranks) & (ranks < self.pos.shape[0])
         buf = self.buf[self._mi[metric]]
         if known.all():  # the usual call (every rank of the step): one gather, no mask
-            sub = (
-                buf[:k]
-                if k and ranks[0] == 0 and ranks[-1] == k - 1 and _is_range(ranks)
-                else buf[ranks]
-            )
+            sub = buf[:k] if _is_range(ranks) else buf[ranks]
         else:
             sub = np.full((k, self.window), np.nan)
             sub[known] = buf[ranks[known]]
