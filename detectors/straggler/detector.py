@@ -27,6 +27,7 @@ from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.lead import lead_hits
 from rankscope.detectors.straggler.pair import pair_named
+from rankscope.detectors.straggler.pair_gap import PairGap, pair_gap_hits, pair_gap_signal
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
@@ -54,6 +55,8 @@ class StragglerConfig(ConsensusConfig):
     lead_over_peers: float = 1.25  # ...and of every other member's
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
     lead_step_frac: float = 0.2  # and its excess at least this share of the job's step time
+    pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
+    pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -69,6 +72,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
+        if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
+            raise ValueError("pair_gap_steps must be >= 0 and pair_gap_ratio > 1")
         if self.window_metric and self.window_metric not in self.metrics:
             raise ValueError("window_metric must be one of metrics (or empty)")
 
@@ -77,9 +82,9 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead", "pair_named", "named_rate", "suspect")  # fmt: skip
+                 "lead", "pair_named", "named_rate", "suspect", "pair_gap")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
-             "pair_named", "named_rate")  # fmt: skip
+             "pair_named", "named_rate", "pair_gap")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -93,6 +98,7 @@ class StragglerState(PartsState):
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
+        self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         own = clean_mask
@@ -106,6 +112,7 @@ class StragglerState(PartsState):
         self.history.learn(frame.rank, frame.m, own)
         self.tokens.learn(clean_mask)
         self.window.learn(float(np.mean(clean_mask)) if clean_mask.size else 0.0, frame.step)
+        self.pair_gap.learn(clean_mask)
 
 
 def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
@@ -121,6 +128,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     floor = cfg.min_excess_s
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
     win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
+    gap = None
+    if few and cfg.window_metric and cfg.pair_gap_steps:
+        gap = pair_gap_hits(frame, idx, x[cfg.metrics.index(cfg.window_metric)], state.pair_gap,
+                            cfg)  # fmt: skip
     with np.errstate(invalid="ignore"):
         slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
         if slow.any():
@@ -197,6 +208,12 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         for row in np.flatnonzero(win.hit & ~sped & ~victims):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
+    if gap is not None and gap.hit.any():  # the partner's speed-up is what this rule reads
+        said = {s.ranks[0] for s in out.signals}
+        xw = x[cfg.metrics.index(cfg.window_metric)]
+        for row in np.flatnonzero(gap.hit & ~victims):
+            if int(frame.rank[row]) not in said:
+                out.signals.append(pair_gap_signal(frame, xw, int(row), gap, state, cfg))
     pair_any = pair.any(axis=0)
     if pair_any.any():
         state.suspect = (frame.step, pair_any)
@@ -217,6 +234,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         if key in done:
             continue
         done.add(key)
+        if gap is not None and gap.hit[members].any():
+            continue  # the sustained gap names one of the two (straggler/pair_gap.py)
         i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
         if named[i, row] or held[row]:
             out.signals.append(_pair_signal(frame, x, i, int(row), members, state, cfg,

@@ -73,14 +73,15 @@ def make_frame(
     )
 
 
-def run_detector(module, frames, cfg=None):
+def run_detector(module, frames, cfg=None, state=None):
     """Feed frames through one detector module as the engine does; (outputs, state).
 
     clean_mask = rows named by no signal of the step (the engine also drops
-    rows with non-finite readings; detectors must cope either way).
+    rows with non-finite readings; detectors must cope either way). ``state``
+    goes on from an earlier call's (or a restored) state.
     """
     cfg = cfg or module.CONFIG()
-    state = module.STATE(cfg)
+    state = state if state is not None else module.STATE(cfg)
     outs = []
     for f in frames:
         out = module.detect(f, state, cfg)

@@ -1,0 +1,291 @@
+"""Two peers, a sustained gap: the slower one named by how far and how long it trails.
+
+Design notes: docs/detectors.md, "detectors/straggler/pair_gap.py". Two replicas
+cannot outvote each other, and on a crowded host a slow one frees a core, so its
+partner speeds up and its own history hides it; its gap to the partner does not.
+Named: a gap of ``pair_gap_ratio`` held over ``pair_gap_steps`` steps, grown past
+the pair's usual gap by a chance-rate z, with the partner waiting for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.detectors.evidence import metric_evidence, num
+from rankscope.detectors.gpu.readings import gpu_context
+from rankscope.detectors.signal import Signal
+from rankscope.detectors.stats.consensus import Z_CAP
+from rankscope.detectors.stats.persistence import usable_ranks
+from rankscope.detectors.stats.robust import quantile_sorted
+from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, z_threshold
+from rankscope.detectors.straggler.window import HOLD
+
+__all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
+
+MIN_BASE = 8  # quiet clean steps before a usual gap judges (a spread of fewer is noise)
+QUIET = 2  # a step teaches the usual gap only while the mean of this many is near it
+SPREAD_FLOOR = 0.01  # log units: two ranks that never differ still jitter by this much
+
+
+@dataclass(slots=True)
+class PairGapResult:
+    """Rows the rule names this step and, for them, the window's figures."""
+
+    hit: np.ndarray
+    z: np.ndarray
+    ratio: np.ndarray  # mean compute over the partner's since the onset
+    over_usual: np.ndarray  # the same over the usual ratio
+    onset_back: np.ndarray  # how many of the last readings the slow run spans
+    partner: np.ndarray  # the partner's row
+
+
+class PairGap:
+    """Per rank: a ring of its gaps to its partner, and its learnt usual gap."""
+
+    __slots__ = ("steps", "history", "min_steps", "d", "gap", "wait", "ok", "pos", "partner",
+                 "seen", "base", "base_n", "usual", "spread", "active", "pending")  # fmt: skip
+
+    def __init__(self, steps: int, history: int, min_steps: int) -> None:
+        self.steps = max(int(steps), 1)
+        self.history = int(history)
+        self.min_steps = int(min_steps)  # a rank's first readings (warm-up) teach nothing
+        self._reset(0)
+        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _reset(self, n: int) -> None:
+        w = self.steps
+        self.d = np.zeros((w, n))  # log compute ratio to the partner
+        self.gap = np.zeros((w, n))  # compute seconds over the partner's
+        self.wait = np.zeros((w, n))  # the partner's comm seconds over its own
+        self.ok = np.zeros((w, n), dtype=bool)
+        self.pos = np.zeros(n, dtype=np.int64)
+        self.partner = np.full(n, -1, dtype=np.int64)
+        self.seen = np.zeros(n, dtype=np.int64)
+        self.base = np.full((self.history, n), np.nan)
+        self.base_n = np.zeros(n, dtype=np.int64)
+        self.usual = np.full(n, np.nan)
+        self.spread = np.full(n, np.nan)
+        self.active = np.zeros(n, dtype=bool)
+
+    def _grow(self, top: int) -> None:
+        have = self.pos.shape[0]
+        if top <= have:
+            return
+        old = {k: getattr(self, k) for k in ("d", "gap", "wait", "ok", "base")}
+        flat = {k: getattr(self, k) for k in ("pos", "partner", "seen", "base_n", "usual",
+                                              "spread", "active")}  # fmt: skip
+        self._reset(max(top, 2 * have))
+        for k, v in old.items():
+            getattr(self, k)[:, :have] = v
+        for k, v in flat.items():
+            getattr(self, k)[:have] = v
+
+    def _forget(self, r: np.ndarray) -> None:
+        """Ranks whose partner changed (a new layout): their gaps mean something else now."""
+        self.ok[:, r] = False
+        self.base[:, r] = np.nan
+        self.base_n[r] = 0
+        self.usual[r] = np.nan
+        self.spread[r] = np.nan
+        self.active[r] = False
+        self.seen[r] = 0
+
+    def push(self, ranks, partners, d, gap, wait) -> None:
+        """Record this step's readings (NaN ``d``: none) for ``ranks``."""
+        self._grow(int(max(ranks.max(), partners.max())) + 1)
+        moved = self.partner[ranks] != partners
+        if moved.any():
+            self._forget(ranks[moved])
+            self.partner[ranks[moved]] = partners[moved]
+        p = self.pos[ranks]
+        have = np.isfinite(d)
+        self.d[p, ranks] = np.where(have, d, 0.0)
+        self.gap[p, ranks] = np.where(have, gap, 0.0)
+        self.wait[p, ranks] = np.where(np.isfinite(wait), wait, 0.0)
+        self.ok[p, ranks] = have
+        self.pos[ranks] = (p + 1) % self.steps
+        self.seen[ranks] += have
+
+    def last(self, ranks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ring columns of each rank's last ``k`` readings (newest first) and which hold one."""
+        cols = (self.pos[ranks][:, None] - 1 - np.arange(k)[None, :]) % self.steps
+        return cols, self.ok[cols, ranks[:, None]]
+
+    def learn(self, clean: np.ndarray) -> None:
+        """Teach the usual gap this step's reading of quiet, clean, unnamed ranks."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        rows, ranks, d, quiet = pending
+        if clean.shape[0] <= int(rows.max(initial=-1)):
+            return
+        n = self.base_n[ranks]
+        use = clean[rows] & quiet & ~self.active[ranks] & (self.seen[ranks] > self.min_steps)
+        use &= (n < self.history) | (self.seen[ranks] % FOLLOW_EVERY == 0)
+        if not use.any():
+            return
+        r = ranks[use]
+        self.base[self.base_n[r] % self.history, r] = d[use]
+        self.base_n[r] += 1
+        self._summarize(r)
+
+    def _summarize(self, r: np.ndarray) -> None:
+        """The usual gap (median) and spread (RMS around it) of ranks ``r``'s rings."""
+        b = self.base[:, r].T  # rows: ranks; NaN where the ring is not full yet
+        have = np.minimum(self.base_n[r], self.history)
+        self.usual[r] = quantile_sorted(np.sort(b, axis=1), have, 0.5)
+        dev = np.where(np.isfinite(b), b - self.usual[r][:, None], 0.0)
+        rms = np.sqrt(np.square(dev).sum(axis=1) / np.maximum(have, 1))
+        self.spread[r] = np.maximum(rms, SPREAD_FLOOR)
+
+    def state_dict(self) -> dict:
+        def fl(a):
+            return [[None if not math.isfinite(v) else v for v in row] for row in a.tolist()]
+
+        return {
+            "steps": self.steps,
+            "d": self.d.tolist(), "gap": self.gap.tolist(), "wait": self.wait.tolist(),
+            "ok": self.ok.astype(np.int8).tolist(), "pos": self.pos.tolist(),
+            "partner": self.partner.tolist(), "seen": self.seen.tolist(),
+            "base": fl(self.base), "base_n": self.base_n.tolist(),
+            "active": np.flatnonzero(self.active).tolist(),
+        }  # fmt: skip
+
+    def load_state_dict(self, s: dict) -> None:
+        if not s:
+            return
+        if int(s.get("steps", -1)) != self.steps:
+            raise ValueError(f"pair gap state has {s.get('steps')} steps, not {self.steps}")
+        n = len(s["pos"])
+        self._reset(n)
+        if not n:
+            return
+        for k in ("d", "gap", "wait"):
+            getattr(self, k)[:] = np.asarray(s[k], float).reshape(self.steps, n)
+        self.ok[:] = np.asarray(s["ok"], bool).reshape(self.steps, n)
+        self.pos[:] = np.asarray(s["pos"], np.int64)
+        self.partner[:] = np.asarray(s["partner"], np.int64)
+        self.seen[:] = np.asarray(s["seen"], np.int64)
+        base = np.array(s["base"], dtype=object).reshape(self.history, n)
+        base[base == None] = np.nan  # noqa: E711 (elementwise on an object array)
+        self.base[:] = base.astype(np.float64)
+        self.base_n[:] = np.asarray(s["base_n"], np.int64)
+        self.active[np.asarray(s.get("active", []), dtype=np.int64)] = True
+        self._summarize(np.flatnonzero(self.base_n > 0))
+
+
+def _onset_back(z: np.ndarray, ok: np.ndarray, big: np.ndarray) -> np.ndarray:
+    """Per row: readings the slow run spans, newest first (``SlowWindow.onset_back``'s
+    change point: the suffix with the largest sum of ``z - mean / 2``, then trimmed
+    while its oldest reading is below the run's mean or not ``big``: onsets err late)."""
+    zz = np.where(ok, z, 0.0)
+    drift = 0.5 * zz.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
+    gain = np.cumsum(np.where(ok, zz - drift[:, None], 0.0), axis=1)
+    back = np.argmax(gain, axis=1) + 1
+    for i in range(back.size):
+        while back[i] > 1:
+            run = zz[i, : back[i]][ok[i, : back[i]]]
+            if big[i, back[i] - 1] and zz[i, back[i] - 1] >= (run.mean() if run.size else 0.0):
+                break
+            back[i] -= 1
+    return back
+
+
+def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResult:
+    """Advance the pair gaps by this step (``x``: the windowed metric per row)."""
+    n = frame.n
+    out = PairGapResult(np.zeros(n, dtype=bool), np.full(n, np.nan), np.full(n, np.nan),
+                        np.full(n, np.nan), np.zeros(n, dtype=np.int64),
+                        np.full(n, -1, dtype=np.int64))  # fmt: skip
+    rows = np.flatnonzero(idx.sizes[idx.row_gid] == 2)
+    total = np.bincount(idx.row_gid, weights=np.arange(n, dtype=np.float64),
+                        minlength=idx.n_groups)  # fmt: skip
+    other = (total[idx.row_gid[rows]] - rows).astype(np.int64)
+    keep = usable_ranks(frame.rank[rows]) & usable_ranks(frame.rank[other])
+    rows, other = rows[keep], other[keep]
+    if rows.size == 0:
+        return out
+    ranks, partners = frame.rank[rows], frame.rank[other]
+    comm = frame.m.get("comm_s")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ok = (x[rows] > 0) & (x[other] > 0)
+        d = np.where(ok, np.log(x[rows] / x[other]), np.nan)
+        gap = x[rows] - x[other]
+        wait = (comm[other] - comm[rows]) if comm is not None else np.full(rows.size, np.nan)
+    state.push(ranks, partners, d, gap, wait)
+    usual, spread = state.usual[ranks], state.spread[ranks]
+    judged = state.base_n[ranks] >= MIN_BASE
+    cols, have = state.last(ranks, state.steps)
+    rc = ranks[:, None]
+    dd, gg, ww = state.d[cols, rc], state.gap[cols, rc], state.wait[cols, rc]
+    k = have.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recent = np.where(have[:, :QUIET], dd[:, :QUIET], 0.0).sum(axis=1) / np.maximum(
+            have[:, :QUIET].sum(axis=1), 1)  # fmt: skip
+        floor = math.log(cfg.pair_gap_ratio)
+        # until it judges, every clean step teaches; then only steps near the usual gap
+        quiet = ~judged | (np.abs(recent - usual) < 0.5 * floor)
+        state.pending = (rows, ranks, d, quiet & np.isfinite(d))
+        full = judged & (k * 4 >= 3 * state.steps)
+        if not full.any():
+            state.active[ranks] = False
+            return out
+        mean_d = np.where(have, dd, 0.0).sum(axis=1) / np.maximum(k, 1)
+        over = mean_d - usual
+        z = np.clip((dd - usual[:, None]) / spread[:, None], -cfg.window_clip, cfg.window_clip)
+        zsum = np.where(have, z, 0.0).sum(axis=1) / np.sqrt(np.maximum(k, 1))
+        mgap = np.where(have, gg, 0.0).sum(axis=1) / np.maximum(k, 1)
+        mwait = np.where(have, ww, 0.0).sum(axis=1) / np.maximum(k, 1)
+        waited = (mwait >= cfg.lead_wait_frac * mgap) | (comm is None)
+        limit = z_threshold(n, 1, cfg.chance_findings_per_step)
+        grew = math.log(cfg.min_ratio)
+        fresh = (zsum > limit) & (mean_d > floor) & (over > grew)
+        held = state.active[ranks] & (mean_d > HOLD * floor) & (over > HOLD * grew)
+        hit = full & waited & (fresh | held)
+    state.active[ranks] = hit
+    if hit.any():
+        h = np.flatnonzero(hit)
+        out.hit[rows[h]] = True
+        out.z[rows[h]] = zsum[h]
+        # the run's oldest readings must show the rule's own gap too: onsets err late
+        back = _onset_back(z[h], have[h], dd[h] > floor)
+        run = have[h] & (np.arange(state.steps)[None, :] < back[:, None])
+        run_d = np.where(run, dd[h], 0.0).sum(axis=1) / np.maximum(run.sum(axis=1), 1)
+        out.ratio[rows[h]] = np.exp(run_d)  # since the onset: the slowdown to act on
+        out.over_usual[rows[h]] = np.exp(run_d - usual[h])
+        out.onset_back[rows[h]] = back
+        out.partner[rows[h]] = other[h]
+    return out
+
+
+def pair_gap_signal(frame, x: np.ndarray, row: int, res: PairGapResult, state, cfg) -> Signal:
+    """A straggler signal for a row the rule named (``state``: the straggler state)."""
+    other = int(res.partner[row])
+    _, hmed = state.history.median(frame.rank[row : row + 1], cfg.window_metric)
+    back = int(res.onset_back[row])
+    return Signal(
+        kind="straggler",
+        ranks=(int(frame.rank[row]),),
+        detector="straggler",
+        score=float(min(res.z[row], Z_CAP)) if np.isfinite(res.z[row]) else 0.0,
+        severity="persistent",
+        evidence=metric_evidence(
+            cfg.window_metric,
+            x[row],
+            x[other],
+            x[[other]],
+            history_median=hmed[0],
+            z=res.z[row],
+            rule="pair_gap",
+            ratio=num(res.ratio[row]),
+            over_usual=num(res.over_usual[row]),
+            window_steps=state.pair_gap.steps,
+            onset_step=int(frame.step) - back + 1,
+            slow_metrics=[cfg.window_metric],
+            reason="two peers: it trailed its partner, well past their usual gap, for "
+            f"{state.pair_gap.steps} steps, and the partner waited for it",
+            **({"gpu": g} if (g := gpu_context(frame, row)) else {}),
+        ),
+    )

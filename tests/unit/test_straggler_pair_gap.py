@@ -1,0 +1,126 @@
+"""Two peers, a sustained gap (detectors/straggler/pair_gap.py): a 1.25x replica of a
+pp 2 x dp 2 stage whose partner sped up (a crowded host) is named on its gap alone;
+noise, a short excursion, a gap nobody waited for and a lopsided start are not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rankscope.detectors.straggler import detector as S
+from support.synth import layout, make_frame
+from support.synth import run_detector as run
+
+
+def frames(rng, *, slow=1.12, faster=0.88, onset=20, until=None, steps=48, jitter=0.12,
+           waits=True, start_gap=1.0, start_until=12):  # fmt: skip
+    """pp 2 x dp 2, compute 80/100 ms per stage with ``jitter`` (log sd); from
+    ``onset`` (to ``until``) rank 1 takes ``slow`` times longer and its partner,
+    rank 0, ``faster`` times (it got the freed core): a gap of slow / faster, while
+    rank 1 reads only ``slow`` over its own history. Until ``start_until`` (None:
+    throughout) rank 1 takes ``start_gap`` times longer (a lopsided warm-up)."""
+    lay = layout(2, 1, 2)
+    out = []
+    for step in range(steps):
+        base = np.where(lay["pp"] == 0, 0.08, 0.10)
+        compute = base * np.exp(jitter * rng.standard_normal(4))
+        if start_until is None or step < start_until:
+            compute[1] *= start_gap
+        if step >= onset and (until is None or step < until):
+            compute[1] *= slow
+            compute[0] *= faster
+        if waits:  # each stage's two replicas meet in their gradient all-reduce
+            comm = np.maximum(compute, compute[[1, 0, 3, 2]]) - compute + 0.01
+        else:
+            comm = 0.01 + 0.004 * rng.random(4)
+        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm}
+        m["step_s"] = compute + comm + 0.001
+        out.append(make_frame(lay, step, m))
+    return out
+
+
+def named(outs, rule="pair_gap"):
+    return [(i, s) for i, o in enumerate(outs) for s in o.signals
+            if s.evidence.get("rule") == rule]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_replica_trailing_its_sped_up_partner_is_named_on_its_gap(seed):
+    outs, state = run(S, frames(np.random.default_rng(seed)))
+    got = named(outs)
+    assert got, "the sustained gap was not named"
+    assert {s.ranks for _, s in got} == {(1,)}
+    first, sig = got[0]
+    assert 24 <= first <= 46  # a 16-step window of a 1.27x gap, noise 12 % a rank
+    ev = sig.evidence
+    assert 20 <= ev["onset_step"] <= first  # never before the fault
+    assert 1.15 < ev["ratio"] < 1.45 and ev["window_steps"] == 16
+    assert sig.severity == "persistent" and not sig.unattributed
+    steps = [i for i, _ in got]
+    assert steps == list(range(first, steps[-1] + 1))  # held once named: one incident
+    assert steps[-1] == 47
+    # a rank the other rules would not name: the pair rule asks 1.25x of its own history
+    assert not [s for o in outs for s in o.signals if s.evidence.get("rule") == "pair"]
+
+
+def test_noise_alone_names_no_one():
+    for seed in range(10, 16):
+        outs, _ = run(S, frames(np.random.default_rng(seed), slow=1.0, faster=1.0,
+                                steps=64, jitter=0.15))  # fmt: skip
+        assert not named(outs), seed
+
+
+def test_a_short_excursion_is_not_a_straggler():
+    # 1.35x for 8 steps, then back: clean pp runs on a crowded host do this
+    outs, _ = run(S, frames(np.random.default_rng(4), slow=1.17, faster=0.86, onset=24,
+                            until=32))  # fmt: skip
+    assert not named(outs)
+    outs, _ = run(S, frames(np.random.default_rng(4), slow=1.17, faster=0.86, onset=24))
+    assert named(outs)  # the same gap, held: a straggler
+
+
+def test_a_gap_nobody_waited_for_is_not_named():
+    outs, _ = run(S, frames(np.random.default_rng(5), waits=False))
+    assert not named(outs)
+
+
+def test_a_gap_that_only_closed_after_a_lopsided_start_is_not_named():
+    # rank 1 1.3x slower in the first steps (learnt as the usual gap), then even: the
+    # gap shrank, rank 0 did not slow down
+    outs, _ = run(S, frames(np.random.default_rng(6), slow=1.0, faster=1.0, start_gap=1.3))
+    assert not named(outs)
+    outs, _ = run(S, frames(np.random.default_rng(6), slow=1.0, faster=1.0, start_gap=0.75))
+    assert not named(outs)
+
+
+def test_two_replicas_always_this_far_apart_are_not_named():
+    # rank 1 1.25x slower than rank 0 from the first step on: nothing changed
+    outs, _ = run(S, frames(np.random.default_rng(7), slow=1.0, faster=1.0, start_gap=1.25,
+                            start_until=None))  # fmt: skip
+    assert not named(outs)
+
+
+def test_a_quiet_pair_whose_gap_grew_a_little_is_not_named():
+    # 1.25x apart throughout, jitter 1 %: a 5 % growth (once the usual gap is learnt and
+    # only follows) is many sigmas, but not a straggler
+    outs, _ = run(S, frames(np.random.default_rng(8), slow=1.05, faster=1.0, jitter=0.01,
+                            start_gap=1.25, start_until=None, onset=44, steps=80))  # fmt: skip
+    assert not named(outs)
+
+
+def test_the_rule_survives_a_checkpoint_and_can_be_turned_off():
+    fr = frames(np.random.default_rng(1))
+    cfg = S.StragglerConfig()
+    state = S.StragglerState(cfg)
+    outs = run(S, fr[:30], state=state)[0]
+    restored = S.StragglerState(cfg)
+    restored.load_state_dict(state.state_dict())
+    rest_a = run(S, fr[30:], state=state)[0]
+    rest_b = run(S, fr[30:], state=restored)[0]
+    assert [[s.ranks for s in o.signals] for o in rest_a] == [
+        [s.ranks for s in o.signals] for o in rest_b
+    ]
+    assert named(outs + rest_b)
+    off = S.StragglerConfig(pair_gap_steps=0)
+    assert not named(run(S, fr, cfg=off)[0])
+    with pytest.raises(ValueError):
+        S.StragglerConfig(pair_gap_ratio=1.0)
