@@ -67,8 +67,9 @@ def _next_index(corpus: Path) -> int:
 
 
 def plan(corpus: Path, clean: int, faults: bool, steps: int,
-         styles: tuple[str, ...] = STYLES) -> list[dict]:  # fmt: skip
-    """Clean runs round-robin over ``styles``, then each style's localizable faults."""
+         styles: tuple[str, ...] = STYLES, tags: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+    """Clean runs round-robin over ``styles``, then each style's localizable faults
+    (those of ``tags``, e.g. ``straggler1.25``, where given)."""
     idx = _next_index(corpus)
     runs = []
     for i in range(clean):
@@ -79,7 +80,7 @@ def plan(corpus: Path, clean: int, faults: bool, steps: int,
     if faults:
         for style in styles:
             for tag, f in fault_plan(steps):
-                if f["kind"] not in LOOPS[style].faults:
+                if f["kind"] not in LOOPS[style].faults or (tags and tag not in tags):
                     continue
                 runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
                              "seed": idx, "steps": steps, "fault": f})  # fmt: skip
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score", metavar="DIR", help="replay and score the runs in DIR")
     ap.add_argument("--clean", type=int, default=0, help="clean runs to record")
     ap.add_argument("--faults", action="store_true", help="record one run per fault and style")
+    ap.add_argument("--fault-tags", default="",
+                    help="with --faults: only these, comma-separated (e.g. straggler1.25)")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
     ap.add_argument("--styles", default=",".join(STYLES),
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                  f"known: {', '.join(STYLES)}")  # fmt: skip
     if a.record and not (a.clean or a.faults):
         ap.error("--record needs --clean N and/or --faults")
+    tags = tuple(t for t in a.fault_tags.split(",") if t)
+    known_tags = [t for t, _ in fault_plan(a.steps)]
+    if [t for t in tags if t not in known_tags]:
+        ap.error(f"--fault-tags: known: {', '.join(known_tags)}")
     if not (a.record or a.score):
         with tempfile.TemporaryDirectory() as tmp:
             corpus = Path(tmp)
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.record:
         corpus = Path(a.record)
-        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles), a.batch)
+        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles, tags), a.batch)
     if a.score:
         corpus = Path(a.score)
         if not corpus.is_dir():

@@ -83,6 +83,7 @@ class NetworkState(PartsState):
         "pending_resid",
         "held",
         "pending_held",
+        "held_quiet",
         "held_window",
         "job_peers",
         "work_peers",
@@ -118,6 +119,7 @@ class NetworkState(PartsState):
         # time still inside a collective its peers had left, and its per-rank usual value
         self.held = RankHistory(("held",), cfg.history_steps)
         self.pending_held: np.ndarray | None = None
+        self.held_quiet: np.ndarray | None = None  # rows whose late return may teach it
         self.held_window = make_window(cfg)
         self.job_peers = PeerCache()  # the whole job as one group (late returns)
         self.work_peers = PeerCache()  # ranks doing the same work (frame.work_group)
@@ -144,7 +146,10 @@ class NetworkState(PartsState):
             if values is not None and values.shape[0] == frame.n:
                 have, _ = hist.median(frame.rank, name)
                 slow = (have < self.cfg.history_steps) | (frame.step % CLOCK_EVERY == 0)
+                if name == "held" and self.held_quiet is not None:
+                    slow = slow & self.held_quiet
                 hist.learn(frame.rank, {name: values}, clean_mask & slow)
+        self.held_quiet = None
         if clean_mask.size == 0 or clean_mask.mean() < 0.9:  # a troubled step teaches nothing
             self.pending, self.pending_gap, self.pending_job = {}, None, None
             return
@@ -332,6 +337,8 @@ def _late_return(frame: StepFrame, w: Waits, state: NetworkState, cfg: NetworkCo
     count, usual = state.held.median(frame.rank, "held")
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
     floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    with np.errstate(invalid="ignore"):  # a return a floor later than usual does not teach
+        state.held_quiet = ~(held - usual > floor)  # it: the baseline fills for 32 steps
     hit, mean, _ = late_residual_hits(
         state.job_peers.get(np.zeros(n, dtype=np.int64)), frame.rank, held, None, usual,
         state.held_window, floor_s=floor, chance=cfg.chance_findings_per_step,

@@ -85,6 +85,20 @@ def test_a_late_return_in_two_member_groups_names_the_rank_and_holds():
         assert all(0.01 < s.evidence["awaited_s"] for _, s in got)
 
 
+def test_a_slow_link_early_in_the_job_is_not_learnt_as_the_ranks_habit():
+    # from step 12 the usual late return is still filling (32 clean steps): the slow
+    # returns must not become the rank's usual, or the window loses what it measures
+    for seed in range(3):
+        outs, state = run(network, _tp_job(fault_from=12, seed=seed))
+        got = _named(outs)
+        assert {r for _, s in got for r in s.ranks} == {2}, seed
+        late = [i for i, s in got if s.evidence["rule"] == "late_return_window"]
+        assert late and late[0] <= 30, (seed, late)
+        assert sorted({i for i, _ in got if i >= late[0]}) == list(range(late[0], 64)), seed
+        _, usual = state.held.median(np.array([2]), "held")
+        assert usual[0] < DELAY / 2, (seed, usual)
+
+
 def test_no_late_return_rule_fires_on_a_noisy_healthy_job():
     for seed in range(6):
         outs, _ = run(network, _tp_job(fault_from=10_000, seed=seed))
