@@ -50,6 +50,7 @@ class NetworkConfig(ConsensusConfig):
     late_window: int = 20  # steps over which arrival order is counted
     late_work_ratio: float = 1.1  # own compute + input this x peers' (window median): a straggler
     late_chance_per_step: float = 1e-3  # tolerated chance "always last" counts per step, job
+    last_margin: float = 1.0  # last only by this x the excess floor (max 2 ms, 3 % step)
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -63,6 +64,8 @@ class NetworkConfig(ConsensusConfig):
             raise ValueError("need late_window >= 4 and late_work_ratio >= 1")
         if not 0 < self.late_chance_per_step < 1:
             raise ValueError("late_chance_per_step must be in (0, 1)")
+        if self.last_margin < 0:
+            raise ValueError("last_margin must be >= 0")
 
 
 class NetworkState(PartsState):
@@ -290,7 +293,10 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
     corr = lat - np.where(np.isfinite(offset), offset, 0.0)
     rows, k = idx.argmax_rows(corr)
     top2 = np.sort(np.nan_to_num(idx.matrix(corr), nan=-np.inf), axis=1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 1e-6  # a tie names nobody
+    base_floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    # last by a margin that costs its peers something: by a hair it is a coin flip, and a
+    # crowded host's coin flips come in runs
+    clear = top2[:, 1] - top2[:, 0] > cfg.last_margin * base_floor
     members = idx.rows(k)
     last_now = np.zeros(n, dtype=bool)
     last_now[rows[(rows >= 0) & (k >= 3) & clear]] = True
@@ -299,7 +305,6 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
         own = np.nan_to_num(c.x[1], nan=0.0) + np.nan_to_num(c.x[2], nan=0.0)
         work = own / (np.nan_to_num(c.median[1], nan=0.0) + np.nan_to_num(c.median[2], nan=0.0))
     times_last, steps, work_ratio = state.scan.update(frame.rank, last_now, work, seen)
-    base_floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
     count, usual = state.resid.median(frame.rank, "resid")
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
     hit, mean, state.pending_resid = late_residual_hits(

@@ -220,7 +220,8 @@ def test_large_job_opens_the_collective_analysis_when_comm_looks_wrong():
     assert {r for _, rs in got for r in rs} == {100} and got[0][0] == 7
 
 
-def hook_delay_steps(steps, rng, delayed=None, onset=0, skew_rank=None, skew=0.05):
+def hook_delay_steps(steps, rng, delayed=None, onset=0, skew_rank=None, skew=0.05,
+                     jitter=0.02):
     """One bucket per step, t0 stamped before the user's hook (as the collector does):
 
     the delay hides inside the delayed rank's own s, so only arrival ORDER tells.
@@ -228,7 +229,7 @@ def hook_delay_steps(steps, rng, delayed=None, onset=0, skew_rank=None, skew=0.0
     lay = layout(8)
     frames = []
     for step in range(steps):
-        t0 = 1.7e9 + step + rng.exponential(0.02, 8)
+        t0 = 1.7e9 + step + rng.exponential(jitter, 8)
         call = t0.copy()
         if delayed is not None and step >= onset:
             t0[delayed] += rng.uniform(0.0, 0.06)  # the previous delay pushes it back
@@ -320,3 +321,22 @@ def test_habitually_late_rank_and_compute_straggler_are_not_network_faults():
     assert not blamed(outs)  # its usual lateness is learnt: only a change counts
     outs, _ = run(network, start_delay_steps(120, rng, slow_compute=5))
     assert not blamed(outs)  # late because of its own compute: the straggler detector's
+
+
+def test_a_rank_last_by_a_hair_run_after_run_is_not_blamed():
+    # a crowded host schedules rank 6 a fraction of a millisecond after the others,
+    # step after step: it is last most of the time, and nobody waits for it
+    rng = np.random.default_rng(31)
+    frames = hook_delay_steps(120, rng, jitter=0.001)
+    for f in frames[40:]:
+        if rng.random() < 0.8:
+            colls = [f.collectives[r][0] for r in range(8)]
+            latest = max(c["t0"] for i, c in enumerate(colls) if i != 6)
+            done = colls[0]["t0"] + colls[0]["s"]
+            colls[6]["t0"] = latest + float(rng.uniform(1e-4, 1e-3))
+            colls[6]["s"] = done - colls[6]["t0"]
+    outs, _ = run(network, frames)
+    assert not blamed(outs)
+    # counted by a hair (no margin), the same arrivals name it
+    outs, _ = run(network, frames, network.NetworkConfig(last_margin=0.0))
+    assert {r for _, rs in blamed(outs) for r in rs} == {6}
