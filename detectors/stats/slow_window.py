@@ -14,7 +14,7 @@ import numpy as np
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
 
-__all__ = ["SlowWindow", "WindowHits", "z_threshold", "FOLLOW_EVERY"]
+__all__ = ["SlowWindow", "WindowHits", "z_threshold", "change_point_back", "FOLLOW_EVERY"]
 
 FOLLOW_EVERY = 16  # once a noise ring is full, it learns one clean step in this many
 
@@ -24,6 +24,29 @@ def z_threshold(rows: int, lengths: int, chance: float) -> float:
     """Normal quantile for ``chance`` chance findings per step over ``rows`` x ``lengths`` tests."""
     alpha = chance / max(rows * lengths, 1)
     return NormalDist().inv_cdf(1.0 - alpha)
+
+
+def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = None
+                      ) -> np.ndarray:  # fmt: skip
+    """Per row of ``z`` (readings newest first, ``ok`` where present): how many of the
+    newest readings a slow run spans (``SlowWindow.onset_back``), its oldest reading
+    at least the run's mean and, given ``keep``, kept by it: onsets err late."""
+    z = np.where(ok, z, 0.0)
+    drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
+    gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
+    back = np.argmax(gain, axis=1) + 1
+    # the oldest step of the run must look like the run (z at least its mean):
+    # one noisy step just before a fault is not its onset
+    for i in range(back.size):
+        while back[i] > 1:
+            run = z[i, : back[i]][ok[i, : back[i]]]
+            oldest = back[i] - 1
+            if (keep is None or keep[i, oldest]) and z[i, oldest] >= (
+                run.mean() if run.size else 0.0
+            ):
+                break
+            back[i] -= 1
+    return back
 
 
 @dataclass(slots=True)
@@ -310,19 +333,7 @@ class SlowWindow:
             if w <= 1 or sel.size == 0:
                 continue
             rc, cols, ok = self._last(ranks[sel], int(w))
-            z = np.where(ok, self.zr[cols, rc], 0.0)
-            drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
-            gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
-            back = np.argmax(gain, axis=1) + 1
-            # the oldest step of the run must look like the run (z at least its mean):
-            # one noisy step just before a fault is not its onset
-            for i in range(back.size):
-                while back[i] > 1:
-                    run = z[i, : back[i]][ok[i, : back[i]]]
-                    if z[i, back[i] - 1] >= (run.mean() if run.size else 0.0):
-                        break
-                    back[i] -= 1
-            out[sel] = back
+            out[sel] = change_point_back(self.zr[cols, rc], ok)
         return out
 
     def _last(self, r: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

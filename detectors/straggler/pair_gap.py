@@ -19,7 +19,7 @@ from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import Z_CAP
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
-from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, z_threshold
+from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, change_point_back, z_threshold
 from rankscope.detectors.straggler.window import HOLD
 
 __all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
@@ -176,23 +176,6 @@ class PairGap:
         self._summarize(np.flatnonzero(self.base_n > 0))
 
 
-def _onset_back(z: np.ndarray, ok: np.ndarray, big: np.ndarray) -> np.ndarray:
-    """Per row: readings the slow run spans, newest first (``SlowWindow.onset_back``'s
-    change point: the suffix with the largest sum of ``z - mean / 2``, then trimmed
-    while its oldest reading is below the run's mean or not ``big``: onsets err late)."""
-    zz = np.where(ok, z, 0.0)
-    drift = 0.5 * zz.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
-    gain = np.cumsum(np.where(ok, zz - drift[:, None], 0.0), axis=1)
-    back = np.argmax(gain, axis=1) + 1
-    for i in range(back.size):
-        while back[i] > 1:
-            run = zz[i, : back[i]][ok[i, : back[i]]]
-            if big[i, back[i] - 1] and zz[i, back[i] - 1] >= (run.mean() if run.size else 0.0):
-                break
-            back[i] -= 1
-    return back
-
-
 def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResult:
     """Advance the pair gaps by this step (``x``: the windowed metric per row)."""
     n = frame.n
@@ -250,7 +233,7 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
         out.hit[rows[h]] = True
         out.z[rows[h]] = zsum[h]
         # the run's oldest readings must show the rule's own gap too: onsets err late
-        back = _onset_back(z[h], have[h], dd[h] > floor)
+        back = change_point_back(z[h], have[h], dd[h] > floor)
         run = have[h] & (np.arange(state.steps)[None, :] < back[:, None])
         run_d = np.where(run, dd[h], 0.0).sum(axis=1) / np.maximum(run.sum(axis=1), 1)
         out.ratio[rows[h]] = np.exp(run_d)  # since the onset: the slowdown to act on
