@@ -130,8 +130,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
-        gap = pair_gap_hits(frame, idx, x[cfg.metrics.index(cfg.window_metric)], state.pair_gap,
-                            cfg)  # fmt: skip
+        xw = x[cfg.metrics.index(cfg.window_metric)]
+        gap = pair_gap_hits(frame, idx, xw, state.pair_gap, cfg)
     with np.errstate(invalid="ignore"):
         slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
         if slow.any():
@@ -210,7 +210,6 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     if gap is not None and gap.hit.any():  # the partner's speed-up is what this rule reads
         said = {s.ranks[0] for s in out.signals}
-        xw = x[cfg.metrics.index(cfg.window_metric)]
         for row in np.flatnonzero(gap.hit & ~victims):
             if int(frame.rank[row]) not in said:
                 out.signals.append(pair_gap_signal(frame, xw, int(row), gap, state, cfg))

@@ -23,10 +23,10 @@ import numpy as np
 from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.stats.peers import PeerIndex
 
-__all__ = ["pair_named"]
+__all__ = ["pair_named", "other_member"]
 
 
-def _other(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
+def other_member(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
     """The other member of each row's two-member group."""
     total = np.bincount(idx.row_gid, weights=np.arange(idx.n, dtype=np.float64),
                         minlength=idx.n_groups)  # fmt: skip
@@ -37,7 +37,7 @@ def pair_named(frame: StepFrame, idx: PeerIndex, state, cfg, i: int, rows: np.nd
                x: np.ndarray, hmed: np.ndarray) -> np.ndarray:  # fmt: skip
     """Of ``rows`` (the slower of two peers on metric ``i``; ``hmed`` their clean
     medians), those their own histories and their peers' waits single out."""
-    other = _other(idx, rows)
+    other = other_member(idx, rows)
     count, ohmed, _ = state.history.assess(frame.rank[other], cfg.metrics[i])
     with np.errstate(invalid="ignore", divide="ignore"):
         own, theirs = x[i, rows] / hmed, x[i, other] / ohmed

@@ -20,6 +20,7 @@ from rankscope.detectors.stats.consensus import Z_CAP
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
 from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, change_point_back, z_threshold
+from rankscope.detectors.straggler.pair import other_member
 from rankscope.detectors.straggler.window import HOLD
 
 __all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
@@ -183,9 +184,7 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
                         np.full(n, np.nan), np.zeros(n, dtype=np.int64),
                         np.full(n, -1, dtype=np.int64))  # fmt: skip
     rows = np.flatnonzero(idx.sizes[idx.row_gid] == 2)
-    total = np.bincount(idx.row_gid, weights=np.arange(n, dtype=np.float64),
-                        minlength=idx.n_groups)  # fmt: skip
-    other = (total[idx.row_gid[rows]] - rows).astype(np.int64)
+    other = other_member(idx, rows)
     keep = usable_ranks(frame.rank[rows]) & usable_ranks(frame.rank[other])
     rows, other = rows[keep], other[keep]
     if rows.size == 0:

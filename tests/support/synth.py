@@ -90,3 +90,16 @@ def run_detector(module, frames, cfg=None, state=None):
         state.learn(f, clean)
         outs.append(out)
     return outs, state
+
+
+def replica_pair_frame(lay, step, compute, rng, waits=True):
+    """A pp 2 x dp 2 step (``layout(2, 1, 2)``) from its per-rank ``compute``: with
+    ``waits`` each stage's two replicas meet in their gradient all-reduce (the faster
+    one waits for the slower), else ``comm_s`` is noise that waits for nobody."""
+    if waits:
+        comm = np.maximum(compute, compute[[1, 0, 3, 2]]) - compute + 0.01
+    else:
+        comm = 0.01 + 0.004 * rng.random(4)
+    m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm}
+    m["step_s"] = compute + comm + 0.001
+    return make_frame(lay, step, m)

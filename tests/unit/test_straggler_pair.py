@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.straggler import detector as S
-from support.synth import layout, make_frame
+from support.synth import layout, replica_pair_frame
 from support.synth import run_detector as run
 
 
@@ -21,14 +21,7 @@ def frames(rng, slow=(1,), factor=1.5, onset=20, steps=36, waits=True, job=1.0):
         if step >= onset:
             compute *= job
             compute[list(slow)] *= factor
-        if waits:  # each stage's two replicas meet in their gradient all-reduce
-            pair_max = np.maximum(compute, compute[[1, 0, 3, 2]])
-            comm = pair_max - compute + 0.01
-        else:
-            comm = 0.01 + 0.004 * rng.random(4)
-        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm}
-        m["step_s"] = compute + comm + 0.001
-        out.append(make_frame(lay, step, m))
+        out.append(replica_pair_frame(lay, step, compute, rng, waits))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rankscope.detectors.straggler import detector as S
-from support.synth import layout, make_frame
+from support.synth import layout, replica_pair_frame
 from support.synth import run_detector as run
 
 
@@ -28,13 +28,7 @@ def frames(rng, *, slow=1.12, faster=0.88, onset=20, until=None, steps=48, jitte
         if step >= onset and (until is None or step < until):
             compute[1] *= slow
             compute[0] *= faster
-        if waits:  # each stage's two replicas meet in their gradient all-reduce
-            comm = np.maximum(compute, compute[[1, 0, 3, 2]]) - compute + 0.01
-        else:
-            comm = 0.01 + 0.004 * rng.random(4)
-        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm}
-        m["step_s"] = compute + comm + 0.001
-        out.append(make_frame(lay, step, m))
+        out.append(replica_pair_frame(lay, step, compute, rng, waits))
     return out
 
 
