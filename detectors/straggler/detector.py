@@ -45,6 +45,9 @@ class StragglerConfig(ConsensusConfig):
     settings (z_min, floors, streaks, history, windows) come from ``ConsensusConfig``."""
 
     metrics: tuple[str, ...] = ("compute_s", "data_s")  # per-rank work times judged
+    # of those, the ones judged by what they cost the step: an excess of at least
+    # (min_ratio - 1) of the step time, not min_ratio of their own (tiny) peer median
+    step_share_metrics: tuple[str, ...] = ("data_s",)
     min_ratio: float = 1.1  # and at least this multiple of the peer median
     strong_z: float = 7.0  # a step this far above its peers is clear: own chance rate, streak
     history_k_sigma: float = 4.0  # or this many robust sigmas above its own median
@@ -125,7 +128,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     x = readings(frame, cfg.metrics)
     c = peer_consensus(idx, x)
     out.scores = c.scores(cfg.metrics)
-    floor = cfg.min_excess_s
+    floors = np.full((len(cfg.metrics), 1), cfg.min_excess_s)  # per metric: _floors
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
     win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
     gap = None
@@ -135,11 +138,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     with np.errstate(invalid="ignore"):
         slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
         if slow.any():
-            slow &= (x > cfg.min_ratio * c.median) & (x - c.median > floor)
+            slow &= (x > cfg.min_ratio * c.median) & (x - c.median > floors)
         single = ((c.count == 1) & np.isfinite(x)) if few else np.zeros_like(slow)
         if slow.any() or few:  # the step floor costs a median
-            floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
-            slow &= x - c.median > floor
+            floors = _floors(cfg, step_reference_s(frame))
+            slow &= x - c.median > floors
         if win is not None and win.per_token:  # slow for its batch (own floors), and a
             slow[cfg.metrics.index(cfg.window_metric)] = win.step_hit  # long batch is not
         elif win is not None and win.step_hit.any():
@@ -149,7 +152,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         named = np.zeros_like(hit)  # pair rows their histories single out (straggler/pair.py)
         if few and (c.count == 2).any():
             low = group_min(idx, x)
-            pair = (c.count == 2) & (x > cfg.min_ratio * low) & (x - low > floor)
+            pair = (c.count == 2) & (x > cfg.min_ratio * low) & (x - low > floors)
             # two peers cannot outvote each other; the slower one must at least be slow
             # for itself too, or it is only the job's noise
             for i, rows in ((i, np.flatnonzero(pair[i])) for i in range(len(cfg.metrics))):
@@ -173,7 +176,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
                 k_sigma=cfg.history_k_sigma,
                 min_count=cfg.history_min_steps,
             )
-            s = (x[i, rows] > limit) & (x[i, rows] - hmed > floor)
+            s = (x[i, rows] > limit) & (x[i, rows] - hmed > floors[i, 0])
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
     lead, lead_run = _leading(frame, idx, c, state, cfg)
@@ -259,6 +262,17 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             )
         )
     return out
+
+
+def _floors(cfg, step_s: float) -> np.ndarray:
+    """Per metric (a column), the excess in seconds a slow step needs. Input waits
+    (``step_share_metrics``) must cost the step ``min_ratio - 1`` of its time: their peer
+    median is a millisecond, and a ratio to it makes every few-millisecond hiccup of a
+    loaded host's loader look like a slowdown."""
+    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_s)
+    share = max(floor, (cfg.min_ratio - 1.0) * step_s)
+    col = [share if m in cfg.step_share_metrics else floor for m in cfg.metrics]
+    return np.asarray(col, dtype=np.float64)[:, None]
 
 
 def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
