@@ -15,6 +15,7 @@ from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
+    excess_floor_s,
     frame_consensus,
     peer_consensus,
     readings,
@@ -197,7 +198,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         if skew.any():
             skew &= np.abs(comm - med) > floor
         if skew.any() or n <= cfg.always_below_rows:  # the step floor costs a median
-            floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
+            floor = excess_floor_s(frame, cfg)
             skew &= np.abs(comm - med) > floor
     has_colls = bool(frame.collectives) and any(frame.collectives)
     gmed = c.group_median[0]
@@ -211,7 +212,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
             else:
                 rate.observe(0, n)
         return out
-    floor = max(floor, cfg.min_excess_step_frac * step_reference_s(frame))
+    floor = excess_floor_s(frame, cfg)
     # from here on the step is being analysed: own compute / input / unaccounted times join in
     x = readings(frame, _COLS)
     x = np.vstack([x, _unaccounted(frame, x, nan)[None, :]])
@@ -293,7 +294,7 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
     corr = lat - np.where(np.isfinite(offset), offset, 0.0)
     rows, k = idx.argmax_rows(corr)
     top2 = np.sort(np.nan_to_num(idx.matrix(corr), nan=-np.inf), axis=1)[:, -2:]
-    base_floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    base_floor = excess_floor_s(frame, cfg)
     # last by a margin that costs its peers something: by a hair it is a coin flip, and a
     # crowded host's coin flips come in runs
     clear = top2[:, 1] - top2[:, 0] > cfg.last_margin * base_floor
@@ -341,7 +342,7 @@ def _late_return(frame: StepFrame, w: Waits, state: NetworkState, cfg: NetworkCo
         return np.zeros(n, dtype=bool)
     count, usual = state.held.median(frame.rank, "held")
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
-    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    floor = excess_floor_s(frame, cfg)
     with np.errstate(invalid="ignore"):  # a return a floor later than usual does not teach
         state.held_quiet = ~(held - usual > floor)  # it: the baseline fills for 32 steps
     hit, mean, _ = late_residual_hits(

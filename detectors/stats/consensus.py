@@ -13,6 +13,7 @@ from rankscope.detectors.stats.peers import PeerIndex
 from rankscope.detectors.stats.robust import group_stats, robust_z
 
 __all__ = [
+    "excess_floor_s",
     "Consensus",
     "peer_consensus",
     "frame_consensus",
@@ -99,6 +100,12 @@ def group_min(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
     mat = idx.matrix(np.where(np.isfinite(x), x, np.inf), fill=np.inf)
     low = mat.min(axis=-1)
     return idx.rows(np.where(np.isfinite(low), low, np.nan))
+
+
+def excess_floor_s(frame: StepFrame, cfg) -> float:
+    """Seconds a deviation must exceed (``cfg`` a ConsensusConfig): ``min_excess_s``,
+    and ``min_excess_step_frac`` of the step (a few ms do not count in a long step)."""
+    return max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
 
 
 def step_reference_s(frame: StepFrame) -> float:

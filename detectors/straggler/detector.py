@@ -14,6 +14,7 @@ from rankscope.detectors.gpu.readings import gpu_context
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
     Z_CAP,
+    excess_floor_s,
     group_min,
     peer_consensus,
     readings,
@@ -141,7 +142,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             slow &= (x > cfg.min_ratio * c.median) & (x - c.median > floors)
         single = ((c.count == 1) & np.isfinite(x)) if few else np.zeros_like(slow)
         if slow.any() or few:  # the step floor costs a median
-            floors = _floors(cfg, step_reference_s(frame))
+            floors = _floors(frame, cfg)
             slow &= x - c.median > floors
         if win is not None and win.per_token:  # slow for its batch (own floors), and a
             slow[cfg.metrics.index(cfg.window_metric)] = win.step_hit  # long batch is not
@@ -264,13 +265,13 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     return out
 
 
-def _floors(cfg, step_s: float) -> np.ndarray:
+def _floors(frame, cfg) -> np.ndarray:
     """Per metric (a column), the excess in seconds a slow step needs. Input waits
     (``step_share_metrics``) must cost the step ``min_ratio - 1`` of its time: their peer
     median is a millisecond, and a ratio to it makes every few-millisecond hiccup of a
     loaded host's loader look like a slowdown."""
-    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_s)
-    share = max(floor, (cfg.min_ratio - 1.0) * step_s)
+    floor = excess_floor_s(frame, cfg)
+    share = max(floor, (cfg.min_ratio - 1.0) * step_reference_s(frame))
     col = [share if m in cfg.step_share_metrics else floor for m in cfg.metrics]
     return np.asarray(col, dtype=np.float64)[:, None]
 

@@ -22,9 +22,9 @@ from rankscope.detectors.gpu.readings import (
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import (
     Z_CAP,
+    excess_floor_s,
     frame_consensus,
     peer_consensus,
-    step_reference_s,
 )
 from rankscope.detectors.stats.robust import group_stats
 from rankscope.detectors.stats.slow_window import SlowWindow, z_threshold
@@ -121,7 +121,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     # any window length that clears the limit and the floors names the rank; a
     # confirmed rank stays named while its longest window keeps the floors, or its
     # shortest window HOLD of them (one incident, not a new one each time the z dips)
-    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    floor = excess_floor_s(frame, cfg)
     ok, steps, mlr, mex, zs = ws.qualify(
         frame.rank[rows], scale[rows], held[rows], limit,
         lambda lr, ex: (lr > math.log(cfg.min_ratio)) & (ex > floor),
@@ -159,7 +159,7 @@ def _step_hits(frame: StepFrame, far, log_ratio, excess_s, cfg) -> np.ndarray:
     batches of different lengths a slow rank still waits for a peer that drew
     a longer one, and a victim's own compute is not what this z measures.
     """
-    floor = max(cfg.min_excess_s, cfg.min_excess_step_frac * step_reference_s(frame))
+    floor = excess_floor_s(frame, cfg)
     with np.errstate(invalid="ignore"):
         hit = far & (log_ratio > math.log(cfg.min_ratio)) & (excess_s > floor)
     if hit.any() and has_gpu(frame):
