@@ -36,6 +36,19 @@ def root_logging():
     logging.getLogger("kafka").setLevel(saved[3])
 
 
+def test_the_kafka_clients_slow_loop_warning_is_load_not_news(root_logging):
+    slow = ("Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- "
+            "likely a tight sync loop inside a coroutine. Other pollers will time out.")
+    for verbose, kept in ((0, ["client"]), (2, ["slow", "client"])):
+        out = io.StringIO()
+        configure_logging("json", verbose=verbose, stream=out)
+        logging.getLogger("kafka.net.selector").warning(slow, "slow", 0.155, 0.1)
+        logging.getLogger("kafka.producer").warning("client")  # any other warning passes
+        lines = [orjson.loads(line) for line in out.getvalue().splitlines()]
+        assert [x["msg"].split()[1].strip("'") if x["msg"].startswith("Task") else x["msg"]
+                for x in lines] == kept  # fmt: skip
+
+
 def _finding(action="evict", first=20, detected=23, kind="straggler", job="j") -> Finding:
     return Finding(job=job, kind=kind, ranks=[5], hosts=["h2"], first_step=first,
                    last_step=detected, detected_step=detected, detected_t=100.0, score=4.0,
