@@ -76,6 +76,10 @@ OP_NAMES = {
 # Also replaced in distributed_c10d itself: P2POp and batch_isend_irecv check an op's
 # identity against that module's isend/irecv, so both names must be the wrapper
 _C10D_TOO = ("isend", "irecv")
+# DDP broadcasts its module buffers from rank 0 before each forward (a model with
+# a registered buffer, e.g. a causal mask) through ``dist._broadcast_coalesced``,
+# which no public name reaches: the DDP instance's method is wrapped instead.
+_DDP_BUFFER_SYNC = "_distributed_broadcast_coalesced"
 _INPUT_KWARGS = ("tensor", "input", "input_tensor", "tensor_list", "tensors", "p2p_op_list")
 
 
@@ -135,8 +139,10 @@ class DistPatch:
         faults: Any = None,
         works: Any = None,
         timing: Any = None,
+        ddp: tuple[Any, str] | None = None,
     ) -> None:
         self._state = state
+        self._ddp = ddp  # (the DDP module, its gradient group's name): buffer broadcasts
         self._works = works  # work_wait.WorkWaitPatch: times the async calls' waits
         self._timing = timing  # device_timing.DeviceTiming on CUDA
         self._taps = dict(taps or {})
@@ -162,6 +168,21 @@ class DistPatch:
             setattr(dist, name, wrapper)
             if name in _C10D_TOO and getattr(dist.distributed_c10d, name, None) is orig:
                 setattr(dist.distributed_c10d, name, wrapper)
+        self._install_ddp_buffer_sync()
+
+    def _install_ddp_buffer_sync(self) -> None:
+        """Time DDP's buffer broadcast: rank 0 waits there for a late peer, and that
+        wait would otherwise count as rank 0's compute (a slow link elsewhere would
+        make rank 0 look like a straggler)."""
+        if self._ddp is None:
+            return
+        module, label = self._ddp
+        orig = getattr(module, _DDP_BUFFER_SYNC, None)
+        if not callable(orig):
+            return
+        wrapper = self._wrap(_DDP_BUFFER_SYNC, "broadcast", orig, label=label)
+        setattr(module, _DDP_BUFFER_SYNC, wrapper)  # on the instance: other DDPs untouched
+        self._wrappers[_DDP_BUFFER_SYNC] = wrapper
 
     def uninstall(self) -> None:
         """Restore the originals; a wrapper someone else wrapped again stays in
@@ -169,6 +190,9 @@ class DistPatch:
         import torch.distributed as dist
 
         self._active = False
+        ddp_sync = self._wrappers.pop(_DDP_BUFFER_SYNC, None)
+        if ddp_sync is not None and vars(self._ddp[0]).get(_DDP_BUFFER_SYNC) is ddp_sync:
+            delattr(self._ddp[0], _DDP_BUFFER_SYNC)  # the class's method again
         for name, orig in self._originals.items():
             for module in (dist, dist.distributed_c10d):
                 if getattr(module, name, None) is self._wrappers[name]:
@@ -176,7 +200,7 @@ class DistPatch:
         self._originals.clear()
         self._wrappers.clear()
 
-    def _wrap(self, name: str, op: str, orig: Callable) -> Callable:
+    def _wrap(self, name: str, op: str, orig: Callable, label: str | None = None) -> Callable:
         try:
             params = list(inspect.signature(orig).parameters)
         except (TypeError, ValueError):
@@ -211,7 +235,8 @@ class DistPatch:
                 if tap is not None:
                     tap(args, kwargs, group)
                 nbytes = _call_bytes(args, kwargs)
-                entry = state.enter_collective(op, self._group_name(group), nbytes)
+                group_name = label if label is not None else self._group_name(group)
+                entry = state.enter_collective(op, group_name, nbytes)
                 if on_training and not is_async:
                     prev_phase, state.phase = state.phase, "collective"
                     if self._timing is not None:

@@ -55,8 +55,11 @@ def build_patches(
     if shape is not None and shape.fsdp is not None:
         taps = fsdp_taps(shape.fsdp, st, faults, rc._self_time)
     out.works = WorkWaitPatch(st, me, faults, timing)
+    ddp = None
+    if shape is not None and shape.ddp:  # under torch.compile, the DDP module it wraps
+        ddp = (getattr(shape.module, "_orig_mod", shape.module), rc.config.ddp_group_name)
     out.all += [out.works, DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
-                                     timing=timing)]  # fmt: skip
+                                     timing=timing, ddp=ddp)]  # fmt: skip
     if shape is not None and shape.dtensor:
         out.funcol = FuncolPatch(st, label, me, faults, timing)
         out.all.append(out.funcol)

@@ -145,10 +145,17 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         t0 = np.array([m[2] for m in members])
         out.instances += 1
         inside_s = float(np.nanmin(s)) if np.isfinite(s).any() else np.nan
-        if np.isfinite(inside_s):
+        p2p = any(m[3] in POINT_TO_POINT for m in members)
+        rooted = not p2p and not all(m[3] in SYMMETRIC for m in members)
+        if rooted and np.isfinite(s).all():
+            # a root's members leave as soon as their own part is done (a broadcast's
+            # receivers while the root still waits for a late one): its duration inside
+            # is no link's, but a member held longer than the quickest one waited
+            np.maximum.at(out.waited_s, rows, s - inside_s)
+        elif np.isfinite(inside_s):
             by_name[name].append(inside_s)
             out.inside.append((name, inside_s, rows))
-        if any(m[3] in POINT_TO_POINT for m in members):
+        if p2p:
             a, _, excess = _awaited(s, t0, floor_s)
             if a >= 0:
                 others = np.arange(rows.size) != a

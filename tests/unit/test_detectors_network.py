@@ -340,3 +340,42 @@ def test_a_rank_last_by_a_hair_run_after_run_is_not_blamed():
     # counted by a hair (no margin), the same arrivals name it
     outs, _ = run(network, frames, network.NetworkConfig(last_margin=0.0))
     assert {r for _, rs in blamed(outs) for r in rs} == {6}
+
+
+def buffer_broadcast_step(lay, step, rng, delayed=None, delay=D):
+    """DDP with a module buffer: rank 0 broadcasts it before the forward, then one
+    all-reduce. A late rank holds the root in the broadcast (its receivers leave at
+    once), so the root reaches the all-reduce as late as the late rank does."""
+    w = lay["rank"].shape[0]
+    t = 1.7e9 + step + rng.exponential(0.0005, w)
+    late = np.zeros(w)
+    if delayed is not None:
+        late[delayed] = delay
+    b_t0 = t + late
+    b_s = np.full(w, 0.0005)
+    b_s[0] = late.max() + 0.0005  # the root waits for the last receiver
+    enter = b_t0 + b_s + 0.3 + rng.exponential(0.0005, w)
+    enter[0] = max(enter[0], enter.max() - rng.exponential(0.0005))
+    done = enter.max() + 0.002
+    colls = [[{"op": "broadcast", "group": "dp", "seq": 2 * step, "t0": float(b_t0[r]),
+               "s": float(b_s[r])},
+              {"op": "allreduce", "group": "dp", "seq": 2 * step + 1, "t0": float(enter[r]),
+               "s": float(done - enter[r])}] for r in range(w)]  # fmt: skip
+    comm = np.array([sum(c["s"] for c in cs) for cs in colls])
+    m = {"compute_s": np.full(w, 0.3), "comm_s": comm, "data_s": np.full(w, 0.001)}
+    m["step_s"] = m["compute_s"] + comm + 0.001
+    return make_frame(lay, step, m, collectives=colls)
+
+
+def test_the_root_held_in_a_buffer_broadcast_is_a_victim_not_the_late_rank():
+    rng = np.random.default_rng(27)
+    lay = layout(4)
+    frame = buffer_broadcast_step(lay, 9, rng, delayed=2)
+    w = collective_waits(frame, floor_s=0.002)
+    assert w.waited_s[0] >= D  # held in the broadcast for rank 2
+    assert [name for name, _, _ in w.inside] == ["dp"]  # the all-reduce only: no root
+    frames = [buffer_broadcast_step(lay, s, rng, delayed=2 if s >= 8 else None)
+              for s in range(16)]  # fmt: skip
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert got and {r for _, rs in got for r in rs} == {2}, got
