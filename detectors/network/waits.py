@@ -147,11 +147,12 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         inside_s = float(np.nanmin(s)) if np.isfinite(s).any() else np.nan
         p2p = any(m[3] in POINT_TO_POINT for m in members)
         rooted = not p2p and not all(m[3] in SYMMETRIC for m in members)
-        if rooted and np.isfinite(s).all():
+        if rooted:
             # a root's members leave as soon as their own part is done (a broadcast's
             # receivers while the root still waits for a late one): its duration inside
             # is no link's, but a member held longer than the quickest one waited
-            np.maximum.at(out.waited_s, rows, s - inside_s)
+            if np.isfinite(s).all():
+                np.maximum.at(out.waited_s, rows, s - inside_s)
         elif np.isfinite(inside_s):
             by_name[name].append(inside_s)
             out.inside.append((name, inside_s, rows))

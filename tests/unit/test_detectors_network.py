@@ -379,3 +379,12 @@ def test_the_root_held_in_a_buffer_broadcast_is_a_victim_not_the_late_rank():
     outs, _ = run(network, frames)
     got = blamed(outs)
     assert got and {r for _, rs in got for r in rs} == {2}, got
+
+
+def test_a_rooted_collective_with_a_duration_missing_stays_out_of_the_inside_baseline():
+    """A foreign trace may leave ``s`` out on some members of a broadcast: the rest
+    of it still says nothing about a link's speed inside, so it is no baseline."""
+    frame = buffer_broadcast_step(layout(4), 9, np.random.default_rng(28), delayed=2)
+    del frame.collectives[1][0]["s"]
+    w = collective_waits(frame, floor_s=0.002)
+    assert [name for name, _, _ in w.inside] == ["dp"]  # the all-reduce only
