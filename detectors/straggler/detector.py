@@ -58,7 +58,10 @@ class StragglerConfig(ConsensusConfig):
     lead_ratio: float = 1.3  # compute at least this multiple of the group median...
     lead_over_peers: float = 1.25  # ...and of every other member's
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
-    lead_step_frac: float = 0.2  # and its excess at least this share of the job's step time
+    lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
+    # and this many of the group's learnt spreads; None: two such steps in a row on any
+    # rank as rare as the chance rate; 0: not asked
+    lead_z: float | None = None
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
 
@@ -74,6 +77,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("history_k_sigma must be >= 0")
         if self.lead_steps < 0 or self.lead_ratio < 1.0 or self.lead_over_peers < 1.0:
             raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
+        if self.lead_z is not None and self.lead_z < 0:
+            raise ValueError("lead_z must be >= 0 (or None)")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
@@ -180,7 +185,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             s = (x[i, rows] > limit) & (x[i, rows] - hmed > floors[i, 0])
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
-    lead, lead_run = _leading(frame, idx, c, state, cfg)
+    lead, lead_run = _leading(frame, idx, c, state, cfg, win)
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
     victims = _victims(frame, c, hit | pair, win, state, cfg)
@@ -302,13 +307,14 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
     )
 
 
-def _leading(frame, idx, c, state, cfg) -> np.ndarray:
+def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
     """Rows the fast rule names this step (a lead for ``lead_steps`` steps in a row), and
     per row how many steps in a row it has led."""
     n = frame.n
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
-    lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
+    step_z = win.step_z if win is not None else None
+    lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg, step_z)
     if lead.any() and state.streaks.rate[(cfg.window_metric, "slow")].steps < cfg.history_min_steps:
         lead[:] = False  # the job's first steps (warm-up, loaders starting) teach only
     if not (lead.any() or state.lead.count.any()):

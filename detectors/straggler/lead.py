@@ -7,13 +7,18 @@ spent that excess waiting in collectives (their ``comm_s`` over its own), is
 slow beyond what noise on a shared host gives: it is reported at once (the
 incident starts as ``observe`` and the policy escalates it as it lasts). When
 every rank reports ``tokens``, a long batch's share of compute is allowed for.
-The excess must also be ``lead_step_frac`` of the step: the job pays for it. A
+The excess must also be ``lead_step_frac`` of the step (the job pays for it)
+and ``lead_z`` of the group's learnt spread (the windowed test's per-step z; by
+default what makes two such steps in a row as rare as the chance rate): a loop
+whose short compute jitters by a third asks a larger lead than a steady one. A
 rank whose GPU reports a thermal or power throttle is left to the GPU detector,
 as in the windowed test.
 Design notes: docs/detectors.md, "detectors/straggler/lead.py".
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
@@ -31,6 +36,7 @@ from rankscope.detectors.stats.consensus import (
     step_reference_s,
 )
 from rankscope.detectors.stats.peers import PeerIndex
+from rankscope.detectors.stats.slow_window import z_threshold
 
 __all__ = ["lead_hits"]
 
@@ -46,8 +52,20 @@ def _second_largest(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(other), other, np.nan)
 
 
-def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np.ndarray:
-    """Rows whose metric ``i`` (compute) leads its group this step (see the module)."""
+def lead_z(n: int, cfg) -> float:
+    """The lead's z floor: ``cfg.lead_z``, or where None the z one row passes by chance
+    with probability sqrt(chance / n), so that two such steps in a row on any of ``n``
+    rows come at the chance rate (2.6 for 4 ranks, 3.8 for 16,384)."""
+    if cfg.lead_z is not None:
+        return float(cfg.lead_z)
+    return z_threshold(1, 1, math.sqrt(cfg.chance_findings_per_step / max(n, 1)))
+
+
+def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
+              step_z: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """Rows whose metric ``i`` (compute) leads its group this step (see the module);
+    ``step_z``: this step's z over the group's learnt spread (NaN, or None: not learnt
+    yet, and nothing leads)."""
     x, med = c.x[i], c.median[i]
     with np.errstate(invalid="ignore"):
         lead = (c.count[i] >= 3) & (x >= cfg.lead_ratio * med)
@@ -63,6 +81,9 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg) -> np
         floor = max(cfg.min_excess_s, cfg.lead_step_frac * step_reference_s(frame))
         lead &= (x >= cfg.lead_ratio * expected) & (x - expected > floor)
         lead &= x >= cfg.lead_over_peers * _second_largest(idx, x)
+        k = lead_z(frame.n, cfg)
+        if k > 0:
+            lead &= (step_z >= k) if step_z is not None else False
         comm = frame.m.get("comm_s")
         if not lead.any() or comm is None or not np.isfinite(comm).any():
             return lead & False  # nothing leads, or no waits to confirm it

@@ -9,19 +9,20 @@ from support.synth import layout, make_frame
 from support.synth import run_detector as run
 
 
-def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0):
-    """8 data-parallel ranks, fixed-size batches with 5% jitter; with ``waits`` every
-    rank waits in the all-reduce for the slowest (comm_s = slowest - own + base)."""
+def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0, jitter=0.05,
+           base_comm=0.01):  # fmt: skip
+    """8 data-parallel ranks, fixed-size batches with ``jitter`` (log sd); with ``waits``
+    every rank waits in the all-reduce for the slowest (comm_s = slowest - own + base)."""
     lay = layout(8)
     out = []
     for step in range(steps):
-        compute = 0.1 * np.exp(0.05 * rng.standard_normal(8))
+        compute = 0.1 * np.exp(jitter * rng.standard_normal(8))
         if hiccups:  # a rank now and then descheduled for a while
             hit = rng.random(8) < hiccups
             compute[hit] *= 1 + rng.exponential(0.4, hit.sum())
         if slow is not None and step >= onset:
             compute[slow] *= factor
-        comm = compute.max() - compute + 0.01 if waits else 0.01 + 0.002 * rng.random(8)
+        comm = compute.max() - compute + base_comm if waits else 0.01 + 0.002 * rng.random(8)
         m = {"compute_s": compute, "data_s": np.full(8, 0.0005), "comm_s": comm}
         m["step_s"] = compute + comm + 0.0005
         out.append(make_frame(lay, step, m))
@@ -71,3 +72,27 @@ def test_a_rank_whose_gpu_throttles_is_left_to_the_gpu_detector():
     assert named(outs, rule="lead") == []
     plain, _ = run(S, frames(60, np.random.default_rng(1), slow=3))
     assert named(plain, rule="lead")  # without the throttle the rule fires
+
+
+def test_a_lead_that_is_a_sixth_of_a_long_step_is_named_when_compute_is_steady():
+    """Compute is a third of the step (long waits beside it): a 1.5x rank's excess is
+    15 % of the step, under the old 20 % floor, and steady compute makes it clear."""
+    fs = frames(60, np.random.default_rng(4), slow=3, base_comm=0.18)
+    outs, _ = run(S, fs)
+    assert named(outs, rule="lead")[0] in ((31, 3), (32, 3))
+    old, _ = run(S, fs, S.StragglerConfig(lead_step_frac=0.2))
+    assert named(old, rule="lead") == []
+
+
+def test_in_a_job_whose_compute_jitters_by_a_third_a_chance_lead_is_no_straggler():
+    """The tutorial loop's 15 ms compute jitters by a third on a crowded host: leads of
+    1.3x over the median happen by chance, two in a row now and then. The lead must
+    also clear the group's learnt spread by a chance-rate z."""
+    fs = frames(600, np.random.default_rng(5), jitter=0.35, base_comm=0.1)
+    outs, _ = run(S, fs)
+    assert named(outs, rule="lead") == []
+    unscaled, _ = run(S, fs, S.StragglerConfig(lead_z=0.0))
+    assert named(unscaled, rule="lead")  # the same job without the spread's say
+    fault, _ = run(S, frames(60, np.random.default_rng(5), slow=3, factor=3.0, jitter=0.35,
+                             base_comm=0.1))  # fmt: skip
+    assert {r for _, r in named(fault)} == {3}
