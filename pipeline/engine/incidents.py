@@ -151,13 +151,16 @@ class IncidentTracker:
                 overlap = inc
         if overlap is None and not sig.unattributed:
             slow = _slowdown(sig)
+            gap = self.reopen_gap_steps if sig.kind in SLOWNESS_KINDS else self.merge_gap_steps
             dormant = self._degraded.get((sig.kind, tuple(sorted(ranks))))
-            if dormant is not None and (slow is None or degraded(self.policy, sig.kind, slow)):
+            # the same mild slowness again, or any slowness whose onset says the mild one
+            # never ended (a 1.25x fault reads 1.2x, then 1.4x): the same finding
+            if dormant is not None and (slow is None or degraded(self.policy, sig.kind, slow)
+                                        or _onset(sig, step) <= dormant.last_step + gap):
                 del self._degraded[(sig.kind, tuple(sorted(ranks)))]
-                self._open.append(dormant)  # the same mild slowness again: the same finding
+                self._open.append(dormant)
                 return dormant
             closed = self._closed.get((sig.kind, tuple(sorted(ranks))))
-            gap = self.reopen_gap_steps if sig.kind in SLOWNESS_KINDS else self.merge_gap_steps
             if closed is not None and _onset(sig, step) <= closed.last_step + gap:
                 del self._closed[(sig.kind, tuple(sorted(ranks)))]  # its onset says it never
                 self._open.append(closed)  # ended: one incident, one finding

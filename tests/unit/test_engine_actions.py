@@ -123,3 +123,22 @@ def test_a_straggler_beside_an_open_slow_link_on_another_rank_is_contested():
     alone = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
     (f,) = _feed(alone, 60, lambda s: s >= 30, step_s, lambda: _slow(rank=0, ratio=1.5))
     assert f.action == "evict" and "contested" not in f.evidence  # the same, uncontested
+
+
+def _bursts(steps, mild, strong):
+    """Findings of a rank read 1.15x on the steps of ``mild`` and 1.4x on ``strong``."""
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(steps):
+        sig = [_slow(ratio=1.15)] if s in mild else [_slow(ratio=1.4)] if s in strong else []
+        tr.update(s, float(s), sig, _hosts, step_s=1.0 + 0.01 * (s % 3))
+    return sorted(tr.findings.values(), key=lambda f: f.first_step)
+
+
+def test_a_mild_incident_that_turns_strong_within_the_reopen_gap_is_one_finding():
+    """A 1.25x straggler read 1.15x for a while, went quiet for a few steps, then read
+    1.4x (bench_false_alarms, 80-step nanogpt and tp runs): one incident, not two. A
+    strong slowdown long after the mild one ended is a new finding."""
+    (f,) = _bursts(80, range(20, 40), range(44, 60))
+    assert (f.first_step, f.last_step) == (19, 59)
+    fs = _bursts(120, range(20, 40), range(80, 100))
+    assert [(g.first_step, g.last_step) for g in fs] == [(19, 39), (79, 99)]
