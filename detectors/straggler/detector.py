@@ -59,9 +59,7 @@ class StragglerConfig(ConsensusConfig):
     lead_over_peers: float = 1.25  # ...and of every other member's
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
     lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
-    # and this many of the group's learnt spreads; None: two such steps in a row on any
-    # rank as rare as the chance rate; 0: not asked
-    lead_z: float | None = None
+    lead_z: float = 2.0  # and this many of the group's learnt spreads (0: not asked)
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
 
@@ -77,8 +75,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("history_k_sigma must be >= 0")
         if self.lead_steps < 0 or self.lead_ratio < 1.0 or self.lead_over_peers < 1.0:
             raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
-        if self.lead_z is not None and self.lead_z < 0:
-            raise ValueError("lead_z must be >= 0 (or None)")
+        if self.lead_z < 0:
+            raise ValueError("lead_z must be >= 0")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:

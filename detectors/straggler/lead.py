@@ -8,17 +8,15 @@ slow beyond what noise on a shared host gives: it is reported at once (the
 incident starts as ``observe`` and the policy escalates it as it lasts). When
 every rank reports ``tokens``, a long batch's share of compute is allowed for.
 The excess must also be ``lead_step_frac`` of the step (the job pays for it)
-and ``lead_z`` of the group's learnt spread (the windowed test's per-step z; by
-default what makes two such steps in a row as rare as the chance rate): a loop
-whose short compute jitters by a third asks a larger lead than a steady one. A
+and ``lead_z`` of the group's learnt spread (the windowed test's per-step z): a
+loop whose short compute jitters by a third asks a larger lead than a steady
+one. A
 rank whose GPU reports a thermal or power throttle is left to the GPU detector,
 as in the windowed test.
 Design notes: docs/detectors.md, "detectors/straggler/lead.py".
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
@@ -36,7 +34,6 @@ from rankscope.detectors.stats.consensus import (
     step_reference_s,
 )
 from rankscope.detectors.stats.peers import PeerIndex
-from rankscope.detectors.stats.slow_window import z_threshold
 
 __all__ = ["lead_hits"]
 
@@ -50,15 +47,6 @@ def _second_largest(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
     first, second = idx.rows(top2[..., 1]), idx.rows(top2[..., 0])
     other = np.where(x >= first, second, first)  # the row itself is the max: the runner-up
     return np.where(np.isfinite(other), other, np.nan)
-
-
-def lead_z(n: int, cfg) -> float:
-    """The lead's z floor: ``cfg.lead_z``, or where None the z one row passes by chance
-    with probability sqrt(chance / n), so that two such steps in a row on any of ``n``
-    rows come at the chance rate (2.6 for 4 ranks, 3.8 for 16,384)."""
-    if cfg.lead_z is not None:
-        return float(cfg.lead_z)
-    return z_threshold(1, 1, math.sqrt(cfg.chance_findings_per_step / max(n, 1)))
 
 
 def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
@@ -81,9 +69,8 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
         floor = max(cfg.min_excess_s, cfg.lead_step_frac * step_reference_s(frame))
         lead &= (x >= cfg.lead_ratio * expected) & (x - expected > floor)
         lead &= x >= cfg.lead_over_peers * _second_largest(idx, x)
-        k = lead_z(frame.n, cfg)
-        if k > 0:
-            lead &= (step_z >= k) if step_z is not None else False
+        if cfg.lead_z > 0:
+            lead &= (step_z >= cfg.lead_z) if step_z is not None else False
         comm = frame.m.get("comm_s")
         if not lead.any() or comm is None or not np.isfinite(comm).any():
             return lead & False  # nothing leads, or no waits to confirm it
