@@ -35,6 +35,8 @@ HOLD_MAX_S = 2.0
 BACKLOG_MESSAGES = 2
 """More messages than this not read yet is a backlog (a prefetch in flight is not)."""
 COOL_S = 10.0
+TURN_S = 1.0
+"""The most one turn of ``serve``'s loop advances a caught-up clock (``DELIVERY_S``)."""
 
 
 def partition_lag(consumer, tp, next_offset: int | None) -> int | None:
@@ -113,20 +115,29 @@ class GpuAligner:
 
 class StreamClock:
     """The clock ``serve`` gives one partition's engine: wall time, less the time spent
-    more than ``backlog`` messages behind (or not knowing: paused, not fetched yet).
-    The engine decides on record times; it asks the wall clock only whether a rank has
-    gone silent (``AssemblerConfig.stall_s``), and while a backlog is read nothing can
-    be told silent."""
+    more than ``backlog`` messages behind (or not knowing: paused, not fetched yet),
+    and less what of one turn of the loop went past ``turn_s`` (the service was busy:
+    a large batch, a checkpoint, a loaded host). The engine decides on record times;
+    it asks the wall clock only whether a rank has gone silent
+    (``AssemblerConfig.stall_s``), and neither while a backlog is read nor while the
+    service itself was too busy to read can anyone be told silent: under load the
+    last two messages of a published trace were read seconds apart, and the ranks
+    whose last beats came first were named crashed."""
 
-    __slots__ = ("backlog", "_since", "_lost")
+    __slots__ = ("backlog", "turn_s", "_since", "_lost", "_last")
 
-    def __init__(self, backlog: int = BACKLOG_MESSAGES) -> None:
+    def __init__(self, backlog: int = BACKLOG_MESSAGES, turn_s: float = TURN_S) -> None:
         self.backlog = backlog
+        self.turn_s = turn_s
         self._since: float | None = None
         self._lost = 0.0
+        self._last: float | None = None
 
     def __call__(self, wall: float, lag: int | None) -> float:
         """``lag``: messages of the partition not read yet; None (not known) holds too."""
+        if self._last is not None and wall - self._last > self.turn_s and self._since is None:
+            self._lost += wall - self._last - self.turn_s  # a busy turn: not silence
+        self._last = wall
         if lag is None or lag > self.backlog:
             if self._since is None:
                 self._since = wall
