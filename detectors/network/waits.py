@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from rankscope.detectors.frame import COORD_NAMES, StepFrame
 
-__all__ = ["Waits", "collective_waits"]
+__all__ = ["Waits", "collective_waits", "collective_instances", "held_after_others"]
 
 
 @dataclass(slots=True)
@@ -118,24 +118,8 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         return out
     late_sum = np.zeros(n)
     late_cnt = np.zeros(n)
-    keys = _member_keys(frame)
-    inst: dict[tuple, list[tuple[int, float, float, str | None]]] = defaultdict(list)
-    for row, colls in enumerate(frame.collectives):
-        if not colls:
-            continue
-        for c in colls:
-            try:
-                name = str(c["group"])
-                seq = int(c["seq"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            mk = _key_for(name, keys, frame)
-            member = int(mk[row]) if mk is not None else 0
-            s = c.get("s")
-            t0 = c.get("t0")
-            s = np.nan if s is None else float(s)
-            t0 = np.nan if t0 is None else float(t0)
-            inst[(name, member, seq)].append((row, s, t0, c.get("op")))
+    inst = collective_instances(frame)
+    out.held_s = held_after_others(frame).copy()
     by_name: dict[str, list[float]] = defaultdict(list)
     for (name, _, _), members in inst.items():
         if len(members) < 2:
@@ -165,8 +149,6 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         if np.isfinite(t0).all():
             late_sum[rows] += t0 - np.median(t0)
             late_cnt[rows] += 1
-            if np.isfinite(s).all() and all(m[3] in SYMMETRIC for m in members):
-                _held(out.held_s, rows, t0 + s)
         a, gap, excess = _awaited(s, t0, floor_s)
         out.gaps.append(max(gap, 0.0))
         if a < 0:
@@ -181,6 +163,56 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
     with np.errstate(invalid="ignore", divide="ignore"):
         out.lateness = np.where(late_cnt > 0, late_sum / late_cnt, np.nan)
     return out
+
+
+Instances = dict[tuple, list[tuple[int, float, float, "str | None"]]]
+
+
+def collective_instances(frame: StepFrame) -> Instances:
+    """(group name, member key, seq) -> [(row, s, t0, op)] of the step's collectives,
+    once per frame (the network and straggler detectors both read it)."""
+    return frame.memo("collective_instances", _group_instances)
+
+
+def _group_instances(frame: StepFrame) -> Instances:
+    keys = _member_keys(frame)
+    inst: Instances = defaultdict(list)
+    for row, colls in enumerate(frame.collectives):
+        if not colls:
+            continue
+        for c in colls:
+            try:
+                name = str(c["group"])
+                seq = int(c["seq"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            mk = _key_for(name, keys, frame)
+            member = int(mk[row]) if mk is not None else 0
+            s = c.get("s")
+            t0 = c.get("t0")
+            s = np.nan if s is None else float(s)
+            t0 = np.nan if t0 is None else float(t0)
+            inst[(name, member, seq)].append((row, s, t0, c.get("op")))
+    return inst
+
+
+def held_after_others(frame: StepFrame) -> np.ndarray:
+    """Per row: the longest it stayed inside one symmetric collective after every other
+    member had returned (a slow link's own time there, not a wait for anyone); NaN
+    where no instance had every member's times. Once per frame."""
+    return frame.memo("held_after_others", _held_all)
+
+
+def _held_all(frame: StepFrame) -> np.ndarray:
+    held = np.full(frame.n, np.nan)
+    for members in collective_instances(frame).values():
+        if len(members) < 2 or not all(m[3] in SYMMETRIC for m in members):
+            continue
+        s = np.array([m[1] for m in members])
+        t0 = np.array([m[2] for m in members])
+        if np.isfinite(s).all() and np.isfinite(t0).all():
+            _held(held, np.array([m[0] for m in members], dtype=np.int64), t0 + s)
+    return held
 
 
 def _held(held: np.ndarray, rows: np.ndarray, end: np.ndarray) -> None:

@@ -21,9 +21,21 @@ from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.network.waits import held_after_others
 from rankscope.detectors.stats.peers import PeerIndex
 
-__all__ = ["pair_named", "other_member"]
+__all__ = ["pair_named", "other_member", "waiting_s"]
+
+
+def waiting_s(frame: StepFrame) -> np.ndarray | None:
+    """Per row, ``comm_s`` less the time it stayed inside a collective after every other
+    member had returned: a slow link's own time there is no wait for its partner (in
+    pp slow-link runs the link's stage partner was named a straggler on it). None
+    without ``comm_s``."""
+    comm = frame.m.get("comm_s")
+    if comm is None or not frame.collectives:
+        return comm
+    return comm - np.nan_to_num(held_after_others(frame), nan=0.0)
 
 
 def other_member(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
@@ -43,7 +55,7 @@ def pair_named(frame: StepFrame, idx: PeerIndex, state, cfg, i: int, rows: np.nd
         own, theirs = x[i, rows] / hmed, x[i, other] / ohmed
         ok = (count >= cfg.history_min_steps) & (own > cfg.history_ratio)
         ok &= (theirs < cfg.history_ratio) & (theirs * cfg.min_ratio < own)  # not both
-        comm = frame.m.get("comm_s")
+        comm = waiting_s(frame)
         if comm is not None:
             gap = x[i, rows] - x[i, other]
             waited = comm[other] - comm[rows] >= cfg.lead_wait_frac * gap

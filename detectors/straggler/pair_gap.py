@@ -20,7 +20,7 @@ from rankscope.detectors.stats.consensus import Z_CAP
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
 from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, change_point_back, z_threshold
-from rankscope.detectors.straggler.pair import other_member
+from rankscope.detectors.straggler.pair import other_member, waiting_s
 from rankscope.detectors.straggler.window import HOLD
 
 __all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
@@ -190,7 +190,7 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
     if rows.size == 0:
         return out
     ranks, partners = frame.rank[rows], frame.rank[other]
-    comm = frame.m.get("comm_s")
+    comm = waiting_s(frame)  # its own time held in a slow collective is no wait
     with np.errstate(invalid="ignore", divide="ignore"):
         ok = (x[rows] > 0) & (x[other] > 0)
         d = np.where(ok, np.log(x[rows] / x[other]), np.nan)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rankscope.detectors.straggler import detector as S
-from support.synth import layout, replica_pair_frame
+from support.synth import layout, make_frame, replica_pair_frame
 from support.synth import run_detector as run
 
 
@@ -118,3 +118,40 @@ def test_the_rule_survives_a_checkpoint_and_can_be_turned_off():
     assert not named(run(S, fr, cfg=off)[0])
     with pytest.raises(ValueError):
         S.StragglerConfig(pair_gap_ratio=1.0)
+
+
+def _held_link_frames(rng, steps=48, onset=20, held=0.03):
+    """pp 2 x dp 2 with each stage's gradient all-reduce timed: from ``onset`` rank 0's
+    link is slow (it stays ``held`` inside the all-reduce after rank 1 returned) and
+    the freed core makes rank 1 compute 1.27x rank 0; both arrive together, so rank 0
+    waited for no one: its longer ``comm_s`` is its own link's."""
+    lay = layout(2, 1, 2)
+    out = []
+    for step in range(steps):
+        compute = np.where(lay["pp"] == 0, 0.08, 0.10) * np.exp(0.05 * rng.standard_normal(4))
+        if step >= onset:
+            compute[1] = 1.27 * compute[0]
+        t0 = 1.7e9 + step + rng.uniform(0, 0.0005, 4)
+        s = np.full(4, 0.005)
+        if step >= onset:
+            s[0] += held
+        colls = [[{"op": "allreduce", "group": "dp", "seq": step, "t0": float(t0[r]),
+                   "s": float(s[r])}] for r in range(4)]  # fmt: skip
+        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": s.copy()}
+        m["step_s"] = compute + s + 0.001
+        out.append(make_frame(lay, step, m, collectives=colls))
+    return out
+
+
+def test_a_partner_held_in_its_own_slow_link_did_not_wait_for_the_other():
+    """A pp slow link (bench_false_alarms fin, pp): the link's stage partner computed more
+    (the core it freed) and the link's long all-reduce read as waiting for it."""
+    fs = _held_link_frames(np.random.default_rng(7))
+    outs, _ = run(S, fs)
+    assert not [s for o in outs for s in o.signals if not s.unattributed and 1 in s.ranks]
+    # the same steps without collective timings: comm_s alone reads as a wait
+    fs = _held_link_frames(np.random.default_rng(7))
+    for f in fs:
+        f.collectives = []
+    bare, _ = run(S, fs)
+    assert {s.ranks for _, s in named(bare)} == {(1,)}
