@@ -10,9 +10,8 @@ every rank reports ``tokens``, a long batch's share of compute is allowed for.
 The excess must also be ``lead_step_frac`` of the step (the job pays for it)
 and ``lead_z`` of the group's learnt spread (the windowed test's per-step z): a
 loop whose short compute jitters by a third asks a larger lead than a steady
-one. A
-rank whose GPU reports a thermal or power throttle is left to the GPU detector,
-as in the windowed test.
+one. A rank whose GPU reports a thermal or power throttle is left to the GPU
+detector, as in the windowed test.
 Design notes: docs/detectors.md, "detectors/straggler/lead.py".
 """
 

@@ -33,7 +33,7 @@ def waiting_s(frame: StepFrame) -> np.ndarray | None:
     pp slow-link runs the link's stage partner was named a straggler on it). None
     without ``comm_s``."""
     comm = frame.m.get("comm_s")
-    if comm is None or not frame.collectives:
+    if comm is None or not frame.collectives or not any(frame.collectives):
         return comm
     return comm - np.nan_to_num(held_after_others(frame), nan=0.0)
 
