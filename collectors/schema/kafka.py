@@ -27,7 +27,14 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-__all__ = ["KafkaUrl", "TOPIC_KINDS", "PASSTHROUGH", "topic_for_record", "idempotence_kwargs"]
+__all__ = [
+    "KafkaUrl",
+    "TOPIC_KINDS",
+    "PASSTHROUGH",
+    "topic_for_record",
+    "idempotence_kwargs",
+    "is_slow_client_loop",
+]
 
 TOPIC_KINDS = ("telemetry", "gpu", "findings", "control", "deadletter")
 
@@ -51,6 +58,18 @@ PASSTHROUGH = {
     "request_timeout_ms": int,
     "api_version": str,
 }
+
+# kafka-python 3 warns when one step of its event loop took over 0.1 s. Beside a busy
+# training loop or the service's detectors (one process, one GIL) that is load, not a
+# client fault, and its guess ("a tight sync loop inside a coroutine") misleads.
+SLOW_LOOP_MARK = "threshold). It is blocking the event loop"
+SLOW_LOOP_LOGGER = "kafka.net.selector"
+
+
+def is_slow_client_loop(record: logging.LogRecord) -> bool:
+    """The record is kafka-python's slow event-loop warning."""
+    return record.name.startswith("kafka") and SLOW_LOOP_MARK in record.getMessage()
+
 
 _HOSTPORT = re.compile(r"^[A-Za-z0-9_.\-]+:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
 _PREFIX = re.compile(r"^[A-Za-z0-9._\-]{1,200}$")

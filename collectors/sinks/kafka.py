@@ -26,11 +26,17 @@ URL options (besides those of ``rankscope.collectors.schema.kafka``):
 ``compression`` (``lz4`` default, ``gzip``, ``zstd``, ``snappy`` or ``none``; a codec
 whose Python package is missing falls back to gzip), ``buffer_records`` (default 50000),
 ``flush_timeout_s`` (default 5).
+
+kafka-python's warning that a step of its event loop took over 0.1 s is
+counted (``stats()["client_slow_loops"]``), not printed into the training log,
+for this sink's producers only: beside a training loop that holds the GIL it
+is load, not a fault.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import threading
@@ -40,15 +46,42 @@ from dataclasses import dataclass
 from rankscope.collectors.schema.kafka import (
     COMPRESSIONS,
     DEFAULT_COMPRESSION,
+    SLOW_LOOP_LOGGER,
     KafkaUrl,
     compression_type,
     idempotence_kwargs,
+    is_slow_client_loop,
     topic_for_record,
 )
 
 __all__ = ["KafkaSink", "KafkaSinkConfig"]
 
 log = logging.getLogger(__name__)
+
+
+class _QuietSlowLoops(logging.Filter):
+    """Counts and drops the client's slow-loop warnings from the sinks' threads.
+
+    Those are the sink's own thread and the producer's network thread, whose
+    name kafka-python builds from the client id; other clients in the process
+    (the service's, a user's own) keep their warnings.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.threadName in self.threads and is_slow_client_loop(record):
+            self.count += 1
+            return False
+        return True
+
+
+_QUIET = _QuietSlowLoops()
+_SINKS = itertools.count()
+logging.getLogger(SLOW_LOOP_LOGGER).addFilter(_QUIET)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,7 +146,10 @@ class KafkaSink:
         self.connected = False
         self._last_ack_t = 0.0
         self._producer = None
-        self._thread = threading.Thread(target=self._run, name="rankscope-kafka-sink", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"rankscope-kafka-sink-{next(_SINKS)}", daemon=True
+        )
+        _QUIET.threads.add(self._thread.name)
         self._thread.start()
 
     @classmethod
@@ -210,6 +246,7 @@ class KafkaSink:
                 "buffered": self._buffered,
                 "inflight": self._inflight,
                 "connected": self.connected,
+                "client_slow_loops": _QUIET.count,
             }
 
     # -- the sink's own thread --
@@ -228,7 +265,7 @@ class KafkaSink:
 
         cfg = self.cfg
         acks = "all" if cfg.acks == "all" else int(cfg.acks)
-        return KafkaProducer(
+        producer = KafkaProducer(
             **self.url.client_kwargs(),
             **idempotence_kwargs(acks, KafkaProducer.DEFAULT_CONFIG),
             acks=acks,
@@ -242,6 +279,9 @@ class KafkaSink:
             delivery_timeout_ms=120_000,
             request_timeout_ms=self.url.client.get("request_timeout_ms", 10_000),
         )
+        cid = str(producer.config["client_id"])
+        _QUIET.threads.update(t.name for t in threading.enumerate() if cid in t.name)
+        return producer
 
     def _run(self) -> None:
         while True:

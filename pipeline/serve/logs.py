@@ -16,6 +16,7 @@ import sys
 import time
 
 import orjson
+from rankscope.collectors.schema.kafka import is_slow_client_loop
 
 __all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging", "event"]
 
@@ -49,18 +50,14 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-SLOW_LOOP_MARK = "threshold). It is blocking the event loop"
-
-
 def _not_a_slow_client_loop(record: logging.LogRecord) -> bool:
     """Drops kafka-python 3's warning that one step of its event loop took over 0.1 s.
 
     In ``serve`` the detectors share the process, and the GIL, with the clients, so on
-    a busy host a step often takes that long: that is load, not a client fault, and the
-    warning's guess ("a tight sync loop inside a coroutine") would send an operator the
-    wrong way. Consumer lag and the progress line say when the service falls behind.
+    a busy host a step often takes that long: that is load, not a client fault.
+    Consumer lag and the progress line say when the service falls behind.
     """
-    return not (record.name.startswith("kafka") and SLOW_LOOP_MARK in record.getMessage())
+    return not is_slow_client_loop(record)
 
 
 def configure_logging(fmt: str = "text", verbose: int = 0, stream=None) -> None:

@@ -118,3 +118,21 @@ def test_a_dropped_record_passes_on_the_count_it_carried(kafka_url):
         got.update({r["step"]: r.get("dropped", 0) for r in (body if isinstance(body, list)
                                                               else [body])})  # fmt: skip
     assert got == {0: 0, 1: 0, 3: 6}
+
+
+def test_the_sink_knows_its_producers_network_thread(kafka_url):
+    """The slow-loop warning is held back by thread name: the real client's network
+    thread must be among the names the sink gave the filter."""
+    from rankscope.collectors.sinks import kafka as sink_mod
+
+    KafkaBus(kafka_url).ensure_topics(partitions=1, kinds=("telemetry",))
+    sink = sink_mod.KafkaSink.from_url(kafka_url + "&linger_ms=0")
+    rec = {"v": 1, "type": "step", "job": "names", "rank": 0, "step": 0, "world": 1,
+           "host": "h", "t": 1.0}  # fmt: skip
+    try:
+        sink.send([rec])
+        wait_for(lambda: sink.stats()["sent"] == 1, 30, "the record delivered")
+        live = {t.name for t in threading.enumerate()} - {sink._thread.name}
+        assert live & sink_mod._QUIET.threads  # the producer's own thread is known
+    finally:
+        sink.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import re
 import time
 
 import orjson
@@ -104,6 +106,42 @@ def test_sink_never_blocks_and_counts_drops_without_a_broker():
     finally:
         sink.close()
     assert sink.stats()["dropped"] == 100  # what never got out is counted at close
+
+
+SLOW_LOOP = (
+    "Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- "
+    "likely a tight sync loop inside a coroutine. Other pollers will time out."
+)
+
+
+def test_the_clients_slow_loop_warning_is_counted_not_printed_on_a_sinks_thread(caplog):
+    """Beside a training loop holding the GIL a slow client step is load: counted in the
+    sink's stats, kept out of the training log; other threads' clients still warn."""
+    import inspect
+    import threading
+
+    import kafka.net.selector
+    from rankscope.collectors.schema.kafka import SLOW_LOOP_MARK
+
+    joined = re.sub(r"'\s*'", "", inspect.getsource(kafka.net.selector))  # 'a' 'b' -> 'ab'
+    assert SLOW_LOOP_MARK in joined and SLOW_LOOP_MARK in SLOW_LOOP  # the client says it so
+    caplog.set_level(logging.WARNING)
+    sink = KafkaSink.from_url("kafka://127.0.0.1:9?flush_timeout_s=0.2")
+    try:
+        before = sink.stats()["client_slow_loops"]
+
+        def warn():
+            logging.getLogger("kafka.net.selector").warning(SLOW_LOOP, "t", 0.15, 0.1)
+
+        for name in (sink._thread.name, "someone-elses-client"):
+            t = threading.Thread(target=warn, name=name)
+            t.start()
+            t.join()
+        assert sink.stats()["client_slow_loops"] == before + 1
+    finally:
+        sink.close()
+    slow = [r for r in caplog.records if "blocking the event loop" in r.getMessage()]
+    assert [r.threadName for r in slow] == ["someone-elses-client"]
 
 
 @pytest.mark.parametrize(
