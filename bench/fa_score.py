@@ -103,7 +103,11 @@ def score_corpus(corpus: Path) -> dict:
             hits = [f for f in res.findings if not f.unattributed and matches(f, lab)]
             if hits:
                 fs["found"] += 1
-                fs["early"] += any(f.first_step < lab["step"] for f in hits)
+                early = [f.first_step for f in hits if f.first_step < lab["step"]]
+                fs["early"] += bool(early)
+                if early:
+                    details.append(f"  fault {run.name}: onset at step {min(early)}, "
+                                   f"before the fault (step {lab['step']})")
                 fs["split"] += len(hits) > 1
                 fs["lat"].append(max(0, min(f.detected_step for f in hits) - lab["step"]))
             for f in res.findings:

@@ -32,8 +32,11 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
     newest readings a slow run spans (``SlowWindow.onset_back``), its oldest reading
     at least the run's mean and, given ``keep``, kept by it: onsets err late."""
     z = np.where(ok, z, 0.0)
-    drift = 0.5 * z.sum(axis=1) / np.maximum(ok.sum(axis=1), 1)
-    gain = np.cumsum(np.where(ok, z - drift[:, None], 0.0), axis=1)
+    # the change point of a shift away from the baseline (z ~ 0 before it): the run
+    # with the largest sum over the root of its length, the likelihood-ratio choice
+    total = np.cumsum(z, axis=1)
+    n = np.maximum(np.cumsum(ok, axis=1), 1)
+    gain = np.where(np.cumsum(ok, axis=1) > 0, total / np.sqrt(n), -np.inf)
     back = np.argmax(gain, axis=1) + 1
     # the oldest step of the run must look like the run (z at least its mean):
     # one noisy step just before a fault is not its onset
@@ -319,11 +322,12 @@ class SlowWindow:
 
         A window that names a rank usually starts before the slowness did (the
         shortest window that clears the limit is 4 steps, the slowness may be
-        2 steps old). The onset is the change point a CUSUM would estimate:
-        the start of the suffix of the window with the largest sum of ``z - d``,
-        ``d`` half the window's mean z (a step before the onset holds z ~ 0 and
-        lowers the sum, a step after it holds ~ 2d and raises it), then trimmed
-        while its oldest step's z is below the run's mean: onsets err late, not early.
+        2 steps old). The onset is the likelihood-ratio change point for a shift
+        away from the baseline (z ~ 0 before it): the start of the newest run with
+        the largest z sum over the root of its length, then trimmed while its
+        oldest step's z is below the run's mean: onsets err late, not early. (A
+        sum less half the window's mean z per step, the CUSUM choice, let one
+        noisy clean step ten steps before a fault pull the onset back to it.)
         """
         ranks = np.asarray(ranks, dtype=np.int64)
         steps = np.asarray(steps, dtype=np.int64)
