@@ -12,13 +12,20 @@ that did slow down by ``min_ratio`` over its own history is named all the same
 (a straggler that sleeps also frees a core: in the AMP bench runs it read 1.18x
 its history with a 1.39x lead). Ranks without a history (slow from the start) are
 judged against their peers only, as before.
+
+A rank its peers waited for in the step's collectives (the last to arrive, by at
+least ``lead_wait_frac`` of its excess compute) is the step's bottleneck whatever
+the host did, and is not excused: when the rest of a crowded host speeds up (a
+neighbour's job ends) a real straggler that kept its own pace reads as sped-up
+peers. The slow link's bystander is not awaited: the link arrives later than it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
-from rankscope.detectors.stats.consensus import Consensus, peer_consensus
+from rankscope.detectors.network.waits import collective_waits
+from rankscope.detectors.stats.consensus import Consensus, excess_floor_s, peer_consensus
 from rankscope.detectors.stats.peers import PeerIndex
 
 __all__ = ["peers_sped_up"]
@@ -34,4 +41,8 @@ def peers_sped_up(frame: StepFrame, idx: PeerIndex, c: Consensus, state, i: int,
         lead = c.x[i] / c.median[i]
         # its own slowdown is less than half its lead (in log terms: the peers' part is
         # more) and not a slowdown of its own
-        return (rel * rel < lead) & (rel < cfg.min_ratio) & (group < 1.0 / cfg.min_ratio)
+        sped = (rel * rel < lead) & (rel < cfg.min_ratio) & (group < 1.0 / cfg.min_ratio)
+    if sped.any() and frame.collectives:
+        awaited = collective_waits(frame, floor_s=excess_floor_s(frame, cfg)).awaited_s
+        sped &= ~(awaited >= cfg.lead_wait_frac * (c.x[i] - c.median[i]))
+    return sped
