@@ -96,6 +96,7 @@ def score_corpus(corpus: Path) -> dict:
             name = _fault_name(run, lab)
             fs = faults[(name, style)]
             fs["runs"] += 1
+            ratio = None
             if lab["kind"] == "straggler":
                 ratio = _compute_ratio(run, lab["ranks"][0], lab["step"])
                 if ratio is not None:
@@ -118,7 +119,9 @@ def score_corpus(corpus: Path) -> dict:
                         f"steps {f.first_step}-{f.last_step} rule={f.evidence.get('rule', '')}"
                     )
             if not hits:
-                details.append(f"  fault {run.name}: MISSED {lab['kind']} rank {lab['ranks']}")
+                got = f" (measured {ratio:.2f}x)" if lab["kind"] == "straggler" and ratio else ""
+                details.append(f"  fault {run.name}: MISSED {lab['kind']} rank {lab['ranks']}"
+                               f"{got}")  # fmt: skip
     return {"clean": clean, "clean_runs": dict(clean_runs), "by_style": clean_by_style,
             "faults": faults, "details": details, "bad": report.bad}  # fmt: skip
 

@@ -30,7 +30,8 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
                       ) -> np.ndarray:  # fmt: skip
     """Per row of ``z`` (readings newest first, ``ok`` where present): how many of the
     newest readings a slow run spans (``SlowWindow.onset_back``), its oldest reading
-    at least the run's mean and, given ``keep``, kept by it: onsets err late."""
+    at least the run's mean and, given ``keep``, kept by it, the one after it at least
+    half the mean (a lone spike before a fault is noise): onsets err late."""
     z = np.where(ok, z, 0.0)
     # the change point of a shift away from the baseline (z ~ 0 before it): the run
     # with the largest sum over the root of its length, the likelihood-ratio choice
@@ -44,8 +45,10 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
         while back[i] > 1:
             run = z[i, : back[i]][ok[i, : back[i]]]
             oldest = back[i] - 1
-            if (keep is None or keep[i, oldest]) and z[i, oldest] >= (
-                run.mean() if run.size else 0.0
+            mean = run.mean() if run.size else 0.0
+            nxt = oldest - 1  # and the one after it half as much: a lone spike is noise
+            if (keep is None or keep[i, oldest]) and z[i, oldest] >= mean and (
+                not ok[i, nxt] or z[i, nxt] >= 0.5 * mean
             ):
                 break
             back[i] -= 1
@@ -325,7 +328,8 @@ class SlowWindow:
         2 steps old). The onset is the likelihood-ratio change point for a shift
         away from the baseline (z ~ 0 before it): the start of the newest run with
         the largest z sum over the root of its length, then trimmed while its
-        oldest step's z is below the run's mean: onsets err late, not early. (A
+        oldest step's z is below the run's mean or the next one's below half of
+        it: onsets err late, not early. (A
         sum less half the window's mean z per step, the CUSUM choice, let one
         noisy clean step ten steps before a fault pull the onset back to it.)
         """

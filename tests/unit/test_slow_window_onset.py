@@ -45,3 +45,10 @@ def test_keep_trims_an_oldest_step_the_rule_would_not_count():
 def test_onsets_err_late():
     # a weaker first step of the fault is left out rather than a clean one let in
     assert _back([3.0, 3.0, 3.0, 1.0, 0.0, 0.0, 0.0, 0.0]) == 3
+
+
+def test_a_lone_spike_just_before_the_fault_is_not_its_onset():
+    # the pp run whose step 18 read 1.8x its partner, step 19 1.15x, the fault from 20
+    assert _back(FAULT + [1.0, 5.0, 0.0, 0.0, 0.0, 0.0]) == len(FAULT)
+    # two slow steps in a row are the run's start, though
+    assert _back(FAULT + [3.0, 3.0, 0.0, 0.0, 0.0, 0.0]) == len(FAULT) + 2
