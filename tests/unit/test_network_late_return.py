@@ -19,7 +19,8 @@ from support.synth import run_detector as run
 DELAY = 0.02  # the slow rank's first reduce-scatter of a step returns this late
 
 
-def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=None):
+def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=None,
+            delay=DELAY, fault_until=None):  # fmt: skip
     """Frames of a dp 2 x tp 2 step: dp reduce-scatter and tp all-reduce, alternating.
 
     A rank enters each call 1 ms (plus jitter) after it left the previous one;
@@ -28,7 +29,8 @@ def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=Non
     reduce-scatter of each step from ``fault_from`` on; ``slow_compute`` is a
     rank that computes 40 ms more before its first call from step 10 on (a
     straggler: it arrives late and its partners wait, but it returns on time);
-    ``skew`` a rank whose clock runs 15 ms ahead.
+    ``skew`` a rank whose clock runs 15 ms ahead; ``delay`` and ``fault_until``
+    another lateness and its last step.
     """
     lay = layout(2, 2)  # tp pairs {0,1} {2,3}; dp pairs {0,2} {1,3}
     w = 4
@@ -51,8 +53,9 @@ def _tp_job(steps=64, fault_from=36, slow=2, seed=0, slow_compute=None, skew=Non
                     out = done + rng.exponential(0.0015)
                     if rng.random() < 0.02:
                         out += 0.012  # descheduled on its way out
-                    if name == "dp" and first_rs and r == slow and step >= fault_from:
-                        out += DELAY
+                    if (name == "dp" and first_rs and r == slow and step >= fault_from
+                            and (fault_until is None or step <= fault_until)):
+                        out += delay
                     t0 = enter[r] + (0.015 if r == skew else 0.0)
                     colls[r].append({"op": "reduce_scatter" if name == "dp" else "allreduce",
                                      "group": name, "seq": step * 3 + k // 2,
@@ -151,3 +154,15 @@ def test_point_to_point_waits_count_but_name_no_one():
     w = collective_waits(_pp_frame(send_late=0.04), floor_s=0.005)
     assert w.waited_s[2] > 0.035  # rank 2 sat in its receive: a victim
     assert w.awaited_s.max() == 0.0  # but a transfer's seq need not pair it with its sender
+
+
+def test_a_comm_thread_a_few_ms_late_for_a_few_steps_is_host_noise():
+    # the clean nanogpt bench runs: a rank 2-5 ms late out of its calls for 8 steps on a
+    # crowded host, its usual 0: over the floor (2 ms there; here 3 % of the step,
+    # 5.4 ms), under twice it (a slow link: 14-22 ms)
+    for seed in (0, 2):  # the seeds whose jitter lets the lateness clear one floor
+        frames = _tp_job(seed=seed, delay=0.014, fault_from=40, fault_until=47)
+        outs, _ = run(network, frames)
+        assert _named(outs) == [], seed
+        outs, _ = run(network, frames, network.NetworkConfig(late_return_margin=1.0))
+        assert {r for _, s in _named(outs) for r in s.ranks} == {2}, seed
