@@ -35,9 +35,8 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
     z = np.where(ok, z, 0.0)
     # the change point of a shift away from the baseline (z ~ 0 before it): the run
     # with the largest sum over the root of its length, the likelihood-ratio choice
-    total = np.cumsum(z, axis=1)
-    n = np.maximum(np.cumsum(ok, axis=1), 1)
-    gain = np.where(np.cumsum(ok, axis=1) > 0, total / np.sqrt(n), -np.inf)
+    seen = np.cumsum(ok, axis=1)
+    gain = np.where(seen > 0, np.cumsum(z, axis=1) / np.sqrt(np.maximum(seen, 1)), -np.inf)
     back = np.argmax(gain, axis=1) + 1
     # the oldest step of the run must look like the run (z at least its mean):
     # one noisy step just before a fault is not its onset
@@ -329,9 +328,9 @@ class SlowWindow:
         away from the baseline (z ~ 0 before it): the start of the newest run with
         the largest z sum over the root of its length, then trimmed while its
         oldest step's z is below the run's mean or the next one's below half of
-        it: onsets err late, not early. (A
-        sum less half the window's mean z per step, the CUSUM choice, let one
-        noisy clean step ten steps before a fault pull the onset back to it.)
+        it: onsets err late, not early. (A sum less half the window's mean z per
+        step, the CUSUM choice, let one noisy clean step ten steps before a fault
+        pull the onset back to it.)
         """
         ranks = np.asarray(ranks, dtype=np.int64)
         steps = np.asarray(steps, dtype=np.int64)
