@@ -21,6 +21,7 @@ ranks the timings carry real scheduling noise, which is the point.
 
 from __future__ import annotations
 
+import io
 import math
 from contextlib import nullcontext
 
@@ -144,6 +145,7 @@ class NanoGPTLoop(_DDPLoop):
                     loss = self.ddp(x, y) / self.accum
                 self._backward(loss)
         self._update()
+        self.last_loss = loss.detach()
         rc.loss(loss.detach().float() * self.accum)
         self.opt.zero_grad(set_to_none=True)
 
@@ -215,7 +217,42 @@ class AMPLoop(NanoGPTLoop):
         self.scaler.update()
 
 
-LOOPS = {"nanogpt": NanoGPTLoop, "tutorial": TutorialLoop, **SHARDED, "amp": AMPLoop, **PIPELINE}
+class NanoGPTMasterLoop(NanoGPTLoop):
+    """nanoGPT's train.py around the step: every ``eval_interval`` steps the master
+    alone runs ``estimate_loss`` (``eval_iters`` no-grad forwards through the DDP
+    module, in eval mode) and saves a checkpoint, while the others go on into the
+    next step's all-reduce and wait; every ``log_interval`` it reads ``loss.item()``.
+    A rank that always does more between steps is the job's doing, not a fault."""
+
+    style = "nanogpt_master"
+    eval_interval, eval_iters, log_interval = 8, 6, 2
+
+    def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
+        super().__init__(rank, world, seed, steps)
+        self.master = rank == 0
+        self.ckpt, self.log = None, []
+
+    @torch.no_grad()
+    def _estimate_loss(self) -> float:
+        self.ddp.eval()
+        losses = [float(self.ddp(*self._batch())) for _ in range(self.eval_iters)]
+        self.ddp.train()
+        return sum(losses) / len(losses)
+
+    def step(self, it: int, rc) -> None:
+        if it % self.eval_interval == 0 and self.master:
+            self._estimate_loss()
+            buf = io.BytesIO()  # torch.save of model and optimizer, as train.py does
+            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                        "iter_num": it}, buf)  # fmt: skip
+            self.ckpt = buf.getvalue()
+        super().step(it, rc)
+        if it % self.log_interval == 0 and self.master:
+            self.log.append(f"iter {it}: loss {self.last_loss.item() * self.accum:.4f}")
+
+
+LOOPS = {"nanogpt": NanoGPTLoop, "nanogpt_master": NanoGPTMasterLoop, "tutorial": TutorialLoop,
+         **SHARDED, "amp": AMPLoop, **PIPELINE}  # fmt: skip
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):
