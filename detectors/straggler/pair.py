@@ -6,9 +6,9 @@ fast against it. Their own histories break the tie. The slower one is named
 when it is at least ``history_ratio`` over its own clean median, the other is
 under ``history_ratio`` over its own and short of the slower one's own ratio by
 ``min_ratio`` (it did not slow down as well: a job-wide slowdown moves both),
-and the other waited for it (its ``comm_s`` over the slower one's by
-``lead_wait_frac`` of the gap, where ``comm_s`` is reported): a rank that merely
-computed more because a crowded host moved CPU time to it makes nobody wait.
+and the other waited for it (``pair_waits``: by ``lead_wait_frac`` of the gap, in the
+collectives the two share): a rank that merely computed more because a crowded
+host moved CPU time to it makes nobody wait.
 Only compute is judged so (a few milliseconds of input wait are noise beside a
 peer's wait). Such steps count toward the pair streak like the others, and
 toward a streak of their own whose chance rate is their own (named steps are
@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
-from rankscope.detectors.network.waits import held_after_others
+from rankscope.detectors.network.waits import (
+    SYMMETRIC,
+    collective_instances,
+    held_after_others,
+)
 from rankscope.detectors.stats.peers import PeerIndex
 
-__all__ = ["pair_named", "other_member", "waiting_s"]
+__all__ = ["pair_named", "other_member", "pair_waits", "waiting_s"]
 
 
 def waiting_s(frame: StepFrame) -> np.ndarray | None:
@@ -36,6 +40,53 @@ def waiting_s(frame: StepFrame) -> np.ndarray | None:
     if comm is None or not frame.collectives or not any(frame.collectives):
         return comm
     return comm - np.nan_to_num(held_after_others(frame), nan=0.0)
+
+
+def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndarray | None:
+    """Per pair, how much longer ``other`` waited for ``rows`` than the reverse: the
+    ``comm_s`` difference (``waiting_s``), at most how much later ``rows`` arrived at
+    the last symmetric collective the two share alone (their group's; by then the
+    step's lag has built up: DDP's last bucket, a stage's gradient all-reduce). In a
+    pp stage ``comm_s`` also holds a rank's wait for its own upstream stage, which
+    says nothing of who is slow in the pair: a stage-1 rank whose replica's stage 0
+    straggled was named on it. None without ``comm_s`` or collectives."""
+    comm = waiting_s(frame)
+    shared = frame.memo("pair_last_shared", _last_shared)
+    if comm is None and not shared:
+        return None
+    out = comm[other] - comm[rows] if comm is not None else np.full(rows.size, np.nan)
+    for j, (a, b) in enumerate(zip(rows.tolist(), other.tolist(), strict=True)):
+        late = shared.get((a, b))
+        if late is None and (late := shared.get((b, a))) is not None:
+            late = -late
+        if late is not None:
+            out[j] = late if not np.isfinite(out[j]) else min(out[j], late)
+    return out
+
+
+def _last_shared(frame: StepFrame) -> dict[tuple[int, int], float]:
+    """(row a, row b), a < b -> how much later a arrived than b (``t0``; without it, b's
+    time inside over a's) at the step's last two-member symmetric collective of exactly
+    a and b (the latest ``t0``, else the highest sequence number)."""
+    last: dict[tuple[int, int], tuple[float, int, float]] = {}
+    if not frame.collectives:
+        return {}
+    for (_, _, seq), members in collective_instances(frame).items():
+        if len(members) != 2 or not all(m[3] in SYMMETRIC for m in members):
+            continue
+        (ra, sa, ta, _), (rb, sb, tb, _) = sorted(members)
+        if ra == rb:
+            continue
+        if np.isfinite(ta) and np.isfinite(tb):
+            late, when = ta - tb, max(ta, tb)
+        elif np.isfinite(sa) and np.isfinite(sb):
+            late, when = sb - sa, -np.inf
+        else:
+            continue
+        key = (when, seq)
+        if (ra, rb) not in last or key > last[(ra, rb)][:2]:
+            last[(ra, rb)] = (when, seq, late)
+    return {k: v[2] for k, v in last.items()}
 
 
 def other_member(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
@@ -55,9 +106,8 @@ def pair_named(frame: StepFrame, idx: PeerIndex, state, cfg, i: int, rows: np.nd
         own, theirs = x[i, rows] / hmed, x[i, other] / ohmed
         ok = (count >= cfg.history_min_steps) & (own > cfg.history_ratio)
         ok &= (theirs < cfg.history_ratio) & (theirs * cfg.min_ratio < own)  # not both
-        comm = waiting_s(frame)
-        if comm is not None:
+        wait = pair_waits(frame, rows, other)
+        if wait is not None:
             gap = x[i, rows] - x[i, other]
-            waited = comm[other] - comm[rows] >= cfg.lead_wait_frac * gap
-            ok &= waited | ~(np.isfinite(comm[other]) & np.isfinite(comm[rows]))
+            ok &= (wait >= cfg.lead_wait_frac * gap) | ~np.isfinite(wait)
     return ok

@@ -20,7 +20,7 @@ from rankscope.detectors.stats.consensus import Z_CAP
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
 from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, change_point_back, z_threshold
-from rankscope.detectors.straggler.pair import other_member, waiting_s
+from rankscope.detectors.straggler.pair import other_member, pair_waits
 from rankscope.detectors.straggler.window import HOLD
 
 __all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
@@ -59,7 +59,7 @@ class PairGap:
         w = self.steps
         self.d = np.zeros((w, n))  # log compute ratio to the partner
         self.gap = np.zeros((w, n))  # compute seconds over the partner's
-        self.wait = np.zeros((w, n))  # the partner's comm seconds over its own
+        self.wait = np.zeros((w, n))  # the partner's wait for it over the reverse (pair_waits)
         self.ok = np.zeros((w, n), dtype=bool)
         self.pos = np.zeros(n, dtype=np.int64)
         self.partner = np.full(n, -1, dtype=np.int64)
@@ -190,12 +190,14 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
     if rows.size == 0:
         return out
     ranks, partners = frame.rank[rows], frame.rank[other]
-    comm = waiting_s(frame)  # its own time held in a slow collective is no wait
+    wait = pair_waits(frame, rows, other)  # in the collectives the two share
+    no_wait = wait is None
     with np.errstate(invalid="ignore", divide="ignore"):
         ok = (x[rows] > 0) & (x[other] > 0)
         d = np.where(ok, np.log(x[rows] / x[other]), np.nan)
         gap = x[rows] - x[other]
-        wait = (comm[other] - comm[rows]) if comm is not None else np.full(rows.size, np.nan)
+        if wait is None:
+            wait = np.full(rows.size, np.nan)
     state.push(ranks, partners, d, gap, wait)
     usual, spread = state.usual[ranks], state.spread[ranks]
     judged = state.base_n[ranks] >= MIN_BASE
@@ -220,7 +222,7 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
         zsum = np.where(have, z, 0.0).sum(axis=1) / np.sqrt(np.maximum(k, 1))
         mgap = np.where(have, gg, 0.0).sum(axis=1) / np.maximum(k, 1)
         mwait = np.where(have, ww, 0.0).sum(axis=1) / np.maximum(k, 1)
-        waited = (mwait >= cfg.lead_wait_frac * mgap) | (comm is None)
+        waited = (mwait >= cfg.lead_wait_frac * mgap) | no_wait
         limit = z_threshold(n, 1, cfg.chance_findings_per_step)
         grew = math.log(cfg.min_ratio)
         fresh = (zsum > limit) & (mean_d > floor) & (over > grew)

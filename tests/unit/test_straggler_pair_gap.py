@@ -155,3 +155,49 @@ def test_a_partner_held_in_its_own_slow_link_did_not_wait_for_the_other():
         f.collectives = []
     bare, _ = run(S, fs)
     assert {s.ranks for _, s in named(bare)} == {(1,)}
+
+
+def _upstream_frames(rng, steps=56, onset=20):
+    """pp 2 x dp 2, each stage's gradient all-reduce and stage 1's receive timed: from
+    ``onset`` rank 1 (stage 0, replica 1) computes 1.5x, so rank 3 (stage 1, same
+    replica) waits for its activations in a receive and comes late to its stage's
+    all-reduce, where rank 2 waits for it; the core those waits free makes rank 2
+    compute 1.3x rank 3 (bench_false_alarms, long pp runs)."""
+    lay = layout(2, 1, 2)
+    out = []
+    for step in range(steps):
+        compute = np.where(lay["pp"] == 0, 0.08, 0.10) * np.exp(0.05 * rng.standard_normal(4))
+        recv, late = 0.0, np.zeros(4)
+        if step >= onset:
+            compute[1] *= 1.5
+            compute[2] = 1.3 * compute[3]
+            recv = 0.05
+            late[1] = compute[1] - compute[0]  # rank 0 waits for it
+            late[3] = 0.02  # rank 2 waits for rank 3, late from its receive
+        t0 = 1.7e9 + step + late + rng.uniform(0, 0.0005, 4)
+        s = 0.002 + np.where(lay["pp"] == 0, late[1] - late, late[3] - late)
+        colls = [[{"op": "allreduce", "group": "dp", "seq": 2 * step + 1, "t0": float(t0[r]),
+                   "s": float(s[r])}] for r in range(4)]  # fmt: skip
+        colls[3].insert(0, {"op": "recv", "group": "pp", "seq": 2 * step, "t0": float(t0[3] - 0.1),
+                            "s": 0.001 + recv})  # fmt: skip
+        comm = s.copy()
+        comm[3] += 0.001 + recv
+        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm}
+        m["step_s"] = compute + comm + 0.001
+        out.append(make_frame(lay, step, m, collectives=colls))
+    return out
+
+
+def test_a_stage_partner_waited_for_its_upstream_stage_not_for_the_other():
+    """A pp rank whose replica's stage 0 straggles waits in its receive, so its comm_s
+    over its stage partner's read as a wait for the partner, who computed more on the
+    freed core: that partner was evicted. In the all-reduce the two share it was the
+    partner that waited."""
+    outs, _ = run(S, _upstream_frames(np.random.default_rng(3)))
+    assert not [s for o in outs for s in o.signals if not s.unattributed and 2 in s.ranks]
+    assert {s.ranks for o in outs for s in o.signals if not s.unattributed} == {(1,)}
+    fs = _upstream_frames(np.random.default_rng(3))  # comm_s alone reads as a wait
+    for f in fs:
+        f.collectives = []
+    bare, _ = run(S, fs)
+    assert (2,) in {s.ranks for _, s in named(bare)}
