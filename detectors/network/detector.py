@@ -314,7 +314,7 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)
     hit, mean, state.pending_resid = late_residual_hits(
         idx, frame.rank, lat, own, usual, state.window,
-        floor_s=base_floor, chance=cfg.chance_findings_per_step,
+        floor_s=base_floor, chance=cfg.chance_findings_per_step, reach=w.reach,
     )
     for row in np.flatnonzero(hit):
         late[row] = True

@@ -13,17 +13,26 @@ __all__ = ["late_residual_hits"]
 
 
 def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: float,
-                       chance: float):
+                       chance: float, reach=None):
     """(hit mask, window mean excess residual seconds, this step's residuals) per row.
 
     ``lat``: arrival lateness (s, NaN where unknown); ``own``: the row's compute
     + input time (s), None where its work does not bear on ``lat``; ``usual``: each
     rank's usual residual in clean steps (its clock offset and habits; NaN until
-    learnt, and then the rank is not judged).
+    learnt, and then the rank is not judged); ``reach``: per row, the share of its
+    work its lateness was measured after (``Waits.reach``; NaN or None: all of it).
+    Extra work explains lateness in full (a straggler's is before its arrivals), a
+    shortfall only by that share: lateness averaged over a collective at the step's
+    start and one at its end holds half of it, and crediting all of it made a healthy
+    rank that computed 40 ms less beside a straggler "late for its work". Both err
+    towards naming no network fault.
     """
     n = ranks.shape[0]
     with np.errstate(invalid="ignore"):
-        raw = lat if own is None else lat - (own - peer_consensus(idx, own).median[0])
+        extra = None if own is None else own - peer_consensus(idx, own).median[0]
+        if extra is not None and reach is not None:  # more work: all of it, to err quiet
+            extra = extra * np.where((extra < 0) & np.isfinite(reach), reach, 1.0)
+        raw = lat if extra is None else lat - extra
         resid = raw - usual
     c = peer_consensus(idx, resid)
     count = c.count[0]

@@ -31,6 +31,10 @@ class Waits:
     gaps: list[float] = field(default_factory=list)  # each instance's wait for its last member
     # mean over the row's instances of (its t0 - the instance's median t0); NaN without t0
     lateness: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # mean over the same instances of how far into its members' work each came (0: at
+    # the step's start, 1: after all of it; NaN: unknown): how much of a rank's own
+    # extra work its lateness there can hold
+    reach: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # the longest the row stayed inside one symmetric collective after every other member
     # had returned from it (``t0 + s``); NaN where no instance had every member's times
     held_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -112,12 +116,15 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         awaited_k=np.zeros(n, dtype=np.int64),
         partners=[set() for _ in range(n)],
         lateness=np.full(n, np.nan),
+        reach=np.full(n, np.nan),
         held_s=np.full(n, np.nan),
     )
     if not frame.collectives:
         return out
     late_sum = np.zeros(n)
     late_cnt = np.zeros(n)
+    reach_sum = np.zeros(n)
+    start, work = _starts_and_work(frame)
     inst = collective_instances(frame)
     out.held_s = held_after_others(frame).copy()
     by_name: dict[str, list[float]] = defaultdict(list)
@@ -149,6 +156,7 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         if np.isfinite(t0).all():
             late_sum[rows] += t0 - np.median(t0)
             late_cnt[rows] += 1
+            reach_sum[rows] += _reach(t0, start[rows], work[rows])
         a, gap, excess = _awaited(s, t0, floor_s)
         out.gaps.append(max(gap, 0.0))
         if a < 0:
@@ -162,7 +170,30 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
     out.typical_s = {name: float(np.median(v)) for name, v in by_name.items()}
     with np.errstate(invalid="ignore", divide="ignore"):
         out.lateness = np.where(late_cnt > 0, late_sum / late_cnt, np.nan)
+        out.reach = np.where(late_cnt > 0, reach_sum / late_cnt, np.nan)
     return out
+
+
+def _starts_and_work(frame: StepFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: when its step began (``t`` - ``step_s``) and its own work (compute +
+    input), NaN where the record lacks them."""
+    nan = np.full(frame.n, np.nan)
+    m = frame.m
+    start = m.get("t", nan) - m.get("step_s", nan)
+    work = m.get("compute_s", nan) + np.nan_to_num(m.get("data_s", nan), nan=0.0)
+    return start, work
+
+
+def _reach(t0: np.ndarray, start: np.ndarray, work: np.ndarray) -> float:
+    """How far into the members' work one collective came: the median time from their
+    step's start to their arrival over their median work, in [0, 1]. A collective at
+    the start of the step (a GradScaler's check, a loss all-reduce) holds none of a
+    rank's extra compute; DDP's last bucket nearly all of it. NaN where unknown."""
+    since = t0 - start
+    if not (np.isfinite(since).all() and np.isfinite(work).all()):
+        return np.nan
+    total = float(np.median(work))
+    return float(np.clip(np.median(since) / total, 0.0, 1.0)) if total > 0 else np.nan
 
 
 Instances = dict[tuple, list[tuple[int, float, float, "str | None"]]]
