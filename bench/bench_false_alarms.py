@@ -1,9 +1,11 @@
 """False alarms and recall on loops rankscope has never seen (issue #14).
 
-Records clean runs of five loop styles people write (``fa_loops.py``:
-nanoGPT-like DDP with accumulation and clipping, DDP-tutorial-like, AMP;
-``fa_sharded.py``: torchtitan-like FSDP2 and tensor parallel 2 x FSDP2), 4 real
-gloo ranks on whatever host this is (a loaded 2-core one is the point), with
+Records clean runs of the loop styles people write (``fa_loops.py``:
+nanoGPT-like DDP with accumulation and clipping, the same with train.py's
+master-only eval and checkpoints, DDP-tutorial-like, AMP; ``fa_sharded.py``:
+torchtitan-like FSDP2 and tensor parallel 2 x FSDP2; ``fa_pipeline.py``: 1F1B
+over two stages), 4 real gloo ranks (``--world``) on whatever host this is (a
+loaded 2-core one is the point), with
 the real collector on a file:// sink, plus runs with each fault kind that can
 be localized under the style injected from outside the loop (``fa_faults.py``);
 then replays every trace through ``rankscope.pipeline.offline.replay`` and
@@ -16,6 +18,7 @@ in seconds after every detector change::
     flock /tmp/rankscope-cpu.lock python bench/bench_false_alarms.py --record out/fa --clean 10
     python bench/bench_false_alarms.py --record out/fa --faults      # one run per fault, per style
     python bench/bench_false_alarms.py --record out/fa --clean 6 --styles fsdp2,tp
+    python bench/bench_false_alarms.py --record out/fa8 --clean 6 --world 8  # 8 ranks
     python bench/bench_false_alarms.py --score out/fa [-v]
 
 ``--record`` appends to the folder (new names and seeds), so a corpus grows
@@ -88,13 +91,13 @@ def plan(corpus: Path, clean: int, faults: bool, steps: int,
     return runs
 
 
-def record(corpus: Path, runs: list[dict], batch: int) -> None:
+def record(corpus: Path, runs: list[dict], batch: int, world: int = 4) -> None:
     from fa_record import record_batch
 
     for i in range(0, len(runs), batch):
         part = runs[i : i + batch]
         t0 = time.perf_counter()
-        record_batch(part, corpus)
+        record_batch(part, corpus, world=world)
         dt = time.perf_counter() - t0
         print(f"recorded {len(part)} runs in {dt:.1f} s ({', '.join(r['name'] for r in part)})")
 
@@ -109,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --faults: only these, comma-separated (e.g. straggler1.25)")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
+    ap.add_argument("--world", type=int, default=4,
+                    help="ranks per run, all on this host (even: tp and pp split it in two)")
     ap.add_argument("--styles", default=",".join(STYLES),
                     help=f"loop styles to record, comma-separated (default {','.join(STYLES)})")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every finding")
     a = ap.parse_args(argv)
     if a.clean < 0 or a.steps < 10 or a.batch < 1:
         ap.error("--clean must be >= 0, --steps >= 10, --batch >= 1")
+    if a.world < 4 or a.world % 2:
+        ap.error("--world must be even and >= 4 (a fault's rank and three peers; tp, pp 2)")
     styles = tuple(s for s in a.styles.split(",") if s)
     unknown = [s for s in styles if s not in LOOPS]
     if unknown or not styles:
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.record:
         corpus = Path(a.record)
-        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles, tags), a.batch)
+        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles, tags), a.batch, a.world)
     if a.score:
         corpus = Path(a.score)
         if not corpus.is_dir():
