@@ -21,6 +21,7 @@ ranks the timings carry real scheduling noise, which is the point.
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 from contextlib import nullcontext
@@ -231,6 +232,16 @@ class NanoGPTMasterLoop(NanoGPTLoop):
         super().__init__(rank, world, seed, steps)
         self.master = rank == 0
         self.ckpt, self.log = None, []
+
+    def wrap(self) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # nanoGPT's model has no buffers (flash attention), so its DDP forward syncs
+        # none; this one's causal mask would be broadcast by the master alone in eval
+        new = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        ddp = DDP(self.model, **{"forward_sync_buffers" if new else "broadcast_buffers": False})
+        self.make_optimizer(ddp)
+        return ddp
 
     @torch.no_grad()
     def _estimate_loss(self) -> float:
