@@ -25,13 +25,18 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
     shortfall only by that share: lateness averaged over a collective at the step's
     start and one at its end holds half of it, and crediting all of it made a healthy
     rank that computed 40 ms less beside a straggler "late for its work". Both err
-    towards naming no network fault.
+    towards naming no network fault. Extra work explains no more than the lateness:
+    a straggler that slept 20 ms and came 8 ms late is not 12 ms early, and in a
+    group of four its residual, that far below the others', pulled their median
+    down and made a bystander 2-3 ms "late" for ten steps.
     """
     n = ranks.shape[0]
     with np.errstate(invalid="ignore"):
         extra = None if own is None else own - peer_consensus(idx, own).median[0]
         if extra is not None and reach is not None:  # more work: all of it, to err quiet
             extra = extra * np.where((extra < 0) & np.isfinite(reach), reach, 1.0)
+        if extra is not None:  # but no more than the lateness it explains
+            extra = np.where(extra > 0, np.minimum(extra, np.maximum(lat, 0.0)), extra)
         raw = lat if extra is None else lat - extra
         resid = raw - usual
     c = peer_consensus(idx, resid)

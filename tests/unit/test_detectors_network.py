@@ -323,20 +323,28 @@ def test_habitually_late_rank_and_compute_straggler_are_not_network_faults():
     assert not blamed(outs)  # late because of its own compute: the straggler detector's
 
 
-def start_and_end_steps(steps, rng, quick=None, delayed=None, onset=40):
+def start_and_end_steps(steps, rng, quick=None, delayed=None, onset=40, world=8, slow=None,
+                        drift=None):
     """Two all-reduces a step: a small one at its start (a GradScaler's or loss check)
     and the gradients' after the compute (t0 for both, ``t`` and ``step_s`` in the
     records). ``quick``: from ``onset`` the rank computes 40 ms less than its peers
-    (a crowded host gave it a core); ``delayed``: from ``onset`` it starts 30 ms late."""
-    lay = layout(8)
+    (a crowded host gave it a core); ``delayed``: from ``onset`` it starts 30 ms late;
+    ``slow``: from ``onset`` it computes 30 ms more (a straggler); ``drift``: from
+    ``onset`` it starts 5 ms later than it used to (the first collective takes it
+    back into line: 2.5 ms late on average, under the floor)."""
+    lay = layout(world)
     frames = []
     for step in range(steps):
-        start = 1.7e9 + step + rng.exponential(0.002, 8)
-        compute = 0.1 * rng.uniform(0.8, 1.2, 8)
+        start = 1.7e9 + step + rng.exponential(0.002, world)
+        compute = 0.1 * rng.uniform(0.8, 1.2, world)
         if step >= onset and quick is not None:
             compute[quick] -= 0.04
+        if step >= onset and slow is not None:
+            compute[slow] += 0.03
         if step >= onset and delayed is not None:
             start[delayed] += 0.03
+        if step >= onset and drift is not None:
+            start[drift] += 0.005
         first = start + 0.0005
         done0 = first.max() + 0.0005
         second = done0 + compute
@@ -344,10 +352,10 @@ def start_and_end_steps(steps, rng, quick=None, delayed=None, onset=40):
         colls = [[{"op": "allreduce", "group": "dp", "seq": 2 * step, "t0": float(first[r]),
                    "s": float(done0 - first[r])},
                   {"op": "allreduce", "group": "dp", "seq": 2 * step + 1,
-                   "t0": float(second[r]), "s": float(done1 - second[r])}] for r in range(8)]
+                   "t0": float(second[r]), "s": float(done1 - second[r])}] for r in range(world)]
         comm = (done0 - first) + (done1 - second)
-        t = np.full(8, done1 + 0.0005)
-        m = {"t": t, "step_s": t - start, "comm_s": comm, "data_s": np.full(8, 0.0005)}
+        t = np.full(world, done1 + 0.0005)
+        m = {"t": t, "step_s": t - start, "comm_s": comm, "data_s": np.full(world, 0.0005)}
         m["compute_s"] = m["step_s"] - comm - 0.0005
         frames.append(make_frame(lay, step, m, collectives=colls))
     return frames  # fmt: skip
@@ -362,6 +370,23 @@ def test_a_rank_whose_short_compute_came_after_half_its_arrivals_is_not_late():
     assert not blamed(outs)
     outs, _ = run(network, start_and_end_steps(120, rng, delayed=6))
     assert {r for _, rs in blamed(outs) for r in rs} == {6}  # a late start still is
+
+
+def test_a_straggler_over_explained_by_its_compute_does_not_make_a_bystander_late():
+    # the straggler computed 30 ms more and came 15 ms late (one collective before its
+    # compute, one after): "15 ms early for its work", far below its three peers, it
+    # pulled their median down, and a bystander a little later than it used to be
+    # (2.5 ms on average) was named
+    for seed in (52, 56):
+        rng = np.random.default_rng(seed)
+        outs, _ = run(network, start_and_end_steps(120, rng, world=4, slow=1, drift=3))
+        assert not blamed(outs), seed
+        rng = np.random.default_rng(seed)
+        outs, _ = run(network, start_and_end_steps(120, rng, world=4, drift=3))
+        assert not blamed(outs), seed  # the drift alone is under the floor
+        rng = np.random.default_rng(seed)
+        outs, _ = run(network, start_and_end_steps(120, rng, world=4, delayed=3))
+        assert {r for _, rs in blamed(outs) for r in rs} == {3}, seed  # a late start is
 
 
 def test_a_rank_last_by_a_hair_run_after_run_is_not_blamed():
