@@ -21,14 +21,11 @@ def late_residual_hits(idx, ranks, lat, own, usual, ws: SlowWindow, *, floor_s: 
     rank's usual residual in clean steps (its clock offset and habits; NaN until
     learnt, and then the rank is not judged); ``reach``: per row, the share of its
     work its lateness was measured after (``Waits.reach``; NaN or None: all of it).
-    Extra work explains lateness in full (a straggler's is before its arrivals), a
-    shortfall only by that share: lateness averaged over a collective at the step's
-    start and one at its end holds half of it, and crediting all of it made a healthy
-    rank that computed 40 ms less beside a straggler "late for its work". Both err
-    towards naming no network fault. Extra work explains no more than the lateness:
-    a straggler that slept 20 ms and came 8 ms late is not 12 ms early, and in a
-    group of four its residual, that far below the others', pulled their median
-    down and made a bystander 2-3 ms "late" for ten steps.
+    Extra work explains lateness up to the lateness itself, a shortfall of work only
+    by that share: both err towards naming no network fault (beside a straggler, a
+    healthy rank that computed less was "late for its work", and the straggler,
+    "early for its work", pulled a small group's median residual down; the figures
+    are in docs/detectors.md).
     """
     n = ranks.shape[0]
     with np.errstate(invalid="ignore"):
