@@ -57,6 +57,9 @@ class StragglerConfig(ConsensusConfig):
     lead_steps: int = 2  # the fast rule (straggler/lead.py): steps in a row; 0 turns it off
     lead_ratio: float = 1.3  # compute at least this multiple of the group median...
     lead_over_peers: float = 1.25  # ...and of every other member's
+    lead_mild_ratio: float = 1.2  # a mild lead: the other steps of the run may show this...
+    lead_mild_over_peers: float = 1.1  # ...and this over every other member
+    lead_mild_after: int = 16  # judged steps before a mild lead counts (young spreads mislead)
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
     lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
     lead_z: float = 2.0  # and this many of the group's learnt spreads (0: not asked)
@@ -75,6 +78,11 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("history_k_sigma must be >= 0")
         if self.lead_steps < 0 or self.lead_ratio < 1.0 or self.lead_over_peers < 1.0:
             raise ValueError("lead_steps must be >= 0, lead_ratio and lead_over_peers >= 1")
+        if not (1.0 <= self.lead_mild_ratio <= self.lead_ratio
+                and 1.0 <= self.lead_mild_over_peers <= self.lead_over_peers):  # fmt: skip
+            raise ValueError("the mild lead margins must be in [1, the strong ones]")
+        if self.lead_mild_after < 0:
+            raise ValueError("lead_mild_after must be >= 0")
         if self.lead_z < 0:
             raise ValueError("lead_z must be >= 0")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
@@ -89,9 +97,10 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead", "pair_named", "named_rate", "suspect", "pair_gap")  # fmt: skip
+                 "lead", "lead_strong", "pair_named", "named_rate", "suspect",
+                 "pair_gap")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
-             "pair_named", "named_rate", "pair_gap")  # fmt: skip
+             "lead_strong", "pair_named", "named_rate", "pair_gap")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -102,6 +111,7 @@ class StragglerState(PartsState):
         self.window = make_window(cfg)
         self.tokens = TokenModel()
         self.lead = StreakCounter()  # steps in a row a rank led its group (straggler/lead.py)
+        self.lead_strong = StreakCounter()  # of those, the steps since the run's 1st strong one
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
@@ -306,19 +316,25 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
 
 
 def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
-    """Rows the fast rule names this step (a lead for ``lead_steps`` steps in a row), and
-    per row how many steps in a row it has led."""
+    """Rows the fast rule names this step (a lead for ``lead_steps`` steps in a row, one
+    of them strong), and per row how many steps it has led since its first strong lead
+    (the onset: a mild lead just before a fault is as often chance)."""
     n = frame.n
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     step_z = win.step_z if win is not None else None
-    lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg, step_z)
-    if lead.any() and state.streaks.rate[(cfg.window_metric, "slow")].steps < cfg.history_min_steps:
-        lead[:] = False  # the job's first steps (warm-up, loaders starting) teach only
+    strong, lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg, step_z)
+    judged = state.streaks.rate[(cfg.window_metric, "slow")].steps
+    if lead.any() and judged < cfg.history_min_steps:
+        lead[:] = strong[:] = False  # the job's first steps (warm-up, loaders starting) teach only
+    elif lead.any() and judged < cfg.lead_mild_after:
+        lead &= strong  # the learnt spread is young: only strong leads count
     if not (lead.any() or state.lead.count.any()):
         return lead, np.zeros(n, dtype=np.int64)
     run = np.asarray(state.lead.update(frame.rank, lead), dtype=np.int64)
-    return lead & (run >= cfg.lead_steps), np.where(lead, run, 0)
+    was = state.lead_strong.peek(frame.rank) > 0
+    since = np.asarray(state.lead_strong.update(frame.rank, lead & (strong | was)), dtype=np.int64)
+    return lead & (run >= cfg.lead_steps) & (since > 0), since
 
 
 def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:

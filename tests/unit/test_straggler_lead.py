@@ -10,9 +10,10 @@ from support.synth import run_detector as run
 
 
 def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0, jitter=0.05,
-           base_comm=0.01):  # fmt: skip
+           base_comm=0.01, first=None):  # fmt: skip
     """8 data-parallel ranks, fixed-size batches with ``jitter`` (log sd); with ``waits``
-    every rank waits in the all-reduce for the slowest (comm_s = slowest - own + base)."""
+    every rank waits in the all-reduce for the slowest (comm_s = slowest - own + base);
+    ``first``: the slow rank's factor on the onset step alone."""
     lay = layout(8)
     out = []
     for step in range(steps):
@@ -21,7 +22,7 @@ def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0,
             hit = rng.random(8) < hiccups
             compute[hit] *= 1 + rng.exponential(0.4, hit.sum())
         if slow is not None and step >= onset:
-            compute[slow] *= factor
+            compute[slow] *= first if first is not None and step == onset else factor
         comm = compute.max() - compute + base_comm if waits else 0.01 + 0.002 * rng.random(8)
         m = {"compute_s": compute, "data_s": np.full(8, 0.0005), "comm_s": comm}
         m["step_s"] = compute + comm + 0.0005
@@ -95,6 +96,26 @@ def test_in_a_job_whose_compute_jitters_by_a_third_chance_leads_are_cut_down():
 
     scaled, unscaled = lead_steps(S.StragglerConfig()), lead_steps(S.StragglerConfig(lead_z=0))
     assert unscaled >= 3 * max(scaled, 1), (scaled, unscaled)
-    fault, _ = run(S, frames(60, np.random.default_rng(5), slow=3, factor=3.0, jitter=0.35,
-                             base_comm=0.1))  # fmt: skip
-    assert {r for _, r in named(fault)} == {3}
+    others = 0
+    for seed in range(10):  # a chance lead before the onset is held a while: count runs
+        fault, _ = run(S, frames(60, np.random.default_rng(seed), slow=3, factor=3.0,
+                                 jitter=0.35, base_comm=0.1))  # fmt: skip
+        ranks = {r for _, r in named(fault)}
+        assert 3 in ranks
+        others += bool(ranks - {3})
+    assert others <= 2, others
+
+
+def test_a_mild_first_step_then_a_strong_one_names_the_rank_at_the_second():
+    """A 1.5x straggler on a noisy host measures 1.2-1.9x step to step: its first step
+    here is a mild 1.28x lead, its second a strong one. The rule names it at the
+    second (two strong leads in a row would wait for the third) and dates the onset
+    from the strong lead: a mild step before a fault is as often chance."""
+    fs = frames(60, np.random.default_rng(1), slow=3, first=1.4)
+    outs, _ = run(S, fs)
+    step, rank = named(outs, rule="lead")[0]
+    assert (step, rank) == (31, 3)
+    first = next(s for o in outs for s in o.signals)
+    assert first.evidence["streak_steps"] == 1  # onset: step 31
+    strict, _ = run(S, fs, S.StragglerConfig(lead_mild_ratio=1.3, lead_mild_over_peers=1.25))
+    assert min(i for i, r in named(strict) if r == 3) == 32
