@@ -306,9 +306,16 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
     last_now = np.zeros(n, dtype=bool)
     last_now[rows[(rows >= 0) & (k >= 3) & clear]] = True
     seen = np.isfinite(corr) & (members >= 3)
-    with np.errstate(invalid="ignore", divide="ignore"):  # own work: compute plus input
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # what kept it from arriving: compute, input, and waits in point-to-point
+        # transfers (a stage blocked on its slow upstream neighbour is its victim)
         own = np.nan_to_num(c.x[1], nan=0.0) + np.nan_to_num(c.x[2], nan=0.0)
-        work = own / (np.nan_to_num(c.median[1], nan=0.0) + np.nan_to_num(c.median[2], nan=0.0))
+        p2p = w.p2p_waited_s if w.p2p_waited_s.shape[0] == n else np.zeros(n)
+        if p2p.any():
+            own = own + p2p
+            work = own / peer_consensus(idx, own[None, :]).median[0]
+        else:
+            work = own / (np.nan_to_num(c.median[1], nan=0.0) + np.nan_to_num(c.median[2], nan=0.0))
     times_last, steps, work_ratio = state.scan.update(frame.rank, last_now, work, seen)
     count, usual = state.resid.median(frame.rank, "resid")
     usual = np.where(count >= cfg.history_min_steps, usual, np.nan)

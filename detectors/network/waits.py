@@ -38,6 +38,9 @@ class Waits:
     # the longest the row stayed inside one symmetric collective after every other member
     # had returned from it (``t0 + s``); NaN where no instance had every member's times
     held_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per row: its waits in point-to-point transfers this step, summed (a pipeline stage
+    # blocked in a receive for its upstream neighbour arrives late at its own collectives)
+    p2p_waited_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     instances: int = 0
 
 
@@ -118,6 +121,7 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
         lateness=np.full(n, np.nan),
         reach=np.full(n, np.nan),
         held_s=np.full(n, np.nan),
+        p2p_waited_s=np.zeros(n),
     )
     if not frame.collectives:
         return out
@@ -152,6 +156,7 @@ def collective_waits(frame: StepFrame, *, floor_s: float) -> Waits:
             if a >= 0:
                 others = np.arange(rows.size) != a
                 np.maximum.at(out.waited_s, rows[others], excess[others])
+                np.add.at(out.p2p_waited_s, rows[others], np.maximum(excess[others], 0.0))
             continue
         if np.isfinite(t0).all():
             late_sum[rows] += t0 - np.median(t0)

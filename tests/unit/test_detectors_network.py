@@ -454,3 +454,56 @@ def test_a_rooted_collective_with_a_duration_missing_stays_out_of_the_inside_bas
     del frame.collectives[1][0]["s"]
     w = collective_waits(frame, floor_s=0.002)
     assert [name for name, _, _ in w.inside] == ["dp"]  # the all-reduce only
+
+
+def pipeline_steps(steps, rng, slow=None, late=None, onset=30):
+    """dp 4 x pp 2 (ranks 4-7 are stage 1): each stage-0 rank computes, sends its
+    activations to its stage-1 partner and joins stage 0's all-reduce; each stage-1
+    rank receives, computes and joins stage 1's. ``slow``: a stage-0 rank computing
+    1.5x from ``onset`` (its partner waits in the receive); ``late``: a stage-1 rank
+    whose all-reduce starts 30 ms late from ``onset`` (a slow link of its own)."""
+    lay = layout(4, 1, 2)
+    frames = []
+    for step in range(steps):
+        start = 1.7e9 + step + rng.exponential(0.002, 8)
+        compute = 0.05 * np.exp(0.05 * rng.standard_normal(8))
+        if slow is not None and step >= onset:
+            compute[slow] *= 1.5
+        colls = [[] for _ in range(8)]
+        arrive = np.zeros(8)
+        for d in range(4):
+            src, dst = d, d + 4
+            send_t0, recv_t0 = start[src] + compute[src], start[dst] + 0.001
+            finish = max(send_t0, recv_t0) + 0.001
+            colls[src].append({"op": "send", "group": "pp", "seq": step, "t0": send_t0,
+                               "s": finish - send_t0})
+            colls[dst].append({"op": "recv", "group": "pp", "seq": step, "t0": recv_t0,
+                               "s": finish - recv_t0})
+            arrive[src] = finish + 0.001
+            arrive[dst] = finish + compute[dst]
+        if late is not None and step >= onset:
+            arrive[late] += 0.03
+        for stage in (range(4), range(4, 8)):
+            done = max(arrive[r] for r in stage) + 0.002
+            for r in stage:
+                colls[r].append({"op": "allreduce", "group": "dp", "seq": step,
+                                 "t0": arrive[r], "s": done - arrive[r]})
+        comm = np.array([sum(c["s"] for c in cs) for cs in colls])
+        m = {"compute_s": compute, "comm_s": comm, "data_s": np.full(8, 0.0005)}
+        m["step_s"] = np.array([max(c["t0"] + c["s"] for c in cs) for cs in colls]) - start
+        frames.append(make_frame(lay, step, m, collectives=colls))
+    return frames
+
+
+def test_a_stage_blocked_on_its_slow_upstream_partner_is_not_late_for_its_collective():
+    """Rank 1 (stage 0) computes 1.5x; rank 5, its stage-1 partner, waits for its
+    activations in the receive and reaches stage 1's all-reduce 25 ms after its
+    peers, step after step, with its own compute normal. Its wait in the receive
+    explains the lateness: no network finding (8 ranks, bench pp: a bystander named
+    for 13-25 steps in every fault run). A stage-1 rank late with no such wait is
+    still named."""
+    outs, _ = run(network, pipeline_steps(80, np.random.default_rng(31), slow=1))
+    assert blamed(outs) == []
+    outs, _ = run(network, pipeline_steps(80, np.random.default_rng(31), late=6))
+    got = blamed(outs)
+    assert got and {r for _, rs in got for r in rs} == {6} and got[0][0] <= 40
