@@ -52,10 +52,11 @@ class NetworkConfig(ConsensusConfig):
     late_work_ratio: float = 1.1  # own compute + input this x peers' (window median): a straggler
     late_chance_per_step: float = 1e-3  # tolerated chance "always last" counts per step, job
     last_margin: float = 1.0  # last only by this x the excess floor (max 2 ms, 3 % step)
-    # a late return's window mean over its usual must exceed this x the excess floor: a
-    # crowded host's comm thread is late by 2-5 ms for a few steps in a row (clean p99 of
-    # one step 5-8 ms), a slow link's by 14-22 ms
-    late_return_margin: float = 2.0
+    # a late return's window mean over its usual must exceed this and the excess floor
+    # (3 % of the step): a crowded host's comm thread is late by 2-5 ms for a few steps
+    # in a row (clean p99 of one step 5-8 ms), a slow link's by 14-22 ms; the noise is
+    # the host's, in milliseconds, not a share of the step
+    late_return_floor_s: float = 0.010
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -69,8 +70,8 @@ class NetworkConfig(ConsensusConfig):
             raise ValueError("need late_window >= 4 and late_work_ratio >= 1")
         if not 0 < self.late_chance_per_step < 1:
             raise ValueError("late_chance_per_step must be in (0, 1)")
-        if self.last_margin < 0 or self.late_return_margin < 0:
-            raise ValueError("last_margin and late_return_margin must be >= 0")
+        if self.last_margin < 0 or self.late_return_floor_s < 0:
+            raise ValueError("last_margin and late_return_floor_s must be >= 0")
 
 
 class NetworkState(PartsState):
@@ -358,7 +359,7 @@ def _late_return(frame: StepFrame, w: Waits, state: NetworkState, cfg: NetworkCo
         state.held_quiet = ~(held - usual > floor)  # it: the baseline fills for 32 steps
     hit, mean, _ = late_residual_hits(
         state.job_peers.get(np.zeros(n, dtype=np.int64)), frame.rank, held, None, usual,
-        state.held_window, floor_s=cfg.late_return_margin * floor,
+        state.held_window, floor_s=max(cfg.late_return_floor_s, floor),
         chance=cfg.chance_findings_per_step,
     )
     for row in np.flatnonzero(hit):

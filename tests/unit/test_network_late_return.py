@@ -164,5 +164,5 @@ def test_a_comm_thread_a_few_ms_late_for_a_few_steps_is_host_noise():
         frames = _tp_job(seed=seed, delay=0.014, fault_from=40, fault_until=47)
         outs, _ = run(network, frames)
         assert _named(outs) == [], seed
-        outs, _ = run(network, frames, network.NetworkConfig(late_return_margin=1.0))
+        outs, _ = run(network, frames, network.NetworkConfig(late_return_floor_s=0.0))
         assert {r for _, s in _named(outs) for r in s.ranks} == {2}, seed
