@@ -324,6 +324,11 @@ def _persistent_late(frame, idx, w: Waits, c, state: NetworkState, cfg: NetworkC
         idx, frame.rank, lat, own, usual, state.window,
         floor_s=base_floor, chance=cfg.chance_findings_per_step, reach=w.reach,
     )
+    if hit.any():  # a rank that waited for others this step longer than its group
+        # typically did and than its lateness is a victim: what its shorter compute
+        # saved went into waiting for the slow link, not into arriving early
+        waited_med = peer_consensus(idx, w.waited_s[None, :]).median[0]
+        hit &= ~(w.waited_s > np.maximum(waited_med, mean))
     for row in np.flatnonzero(hit):
         late[row] = True
         w.awaited_s[row] = max(w.awaited_s[row], float(mean[row]))

@@ -13,11 +13,15 @@ D = 0.05  # injected delay per all-reduce (s)
 
 
 def dp_step(lay, step, rng, delayed=None, slow_compute=None, skew=None, t0=True, jitter=0.0005,
-            delay=D):
-    """One DDP step: bucket k of every rank enters at T_k; delays push later buckets back."""
+            delay=D, quick=None):
+    """One DDP step: bucket k of every rank enters at T_k; delays push later buckets back;
+    ``quick``: a rank computing 10 % less, early for the second bucket only (it waits
+    there, and its saving goes into the wait)."""
     w = lay["rank"].shape[0]
     base = 1.7e9 + step
     compute = 0.3 * (1 + 0.01 * rng.standard_normal(w))
+    if quick is not None:
+        compute[quick] *= 0.9
     late = np.zeros(w)
     if slow_compute is not None:
         late[slow_compute] = 0.1
@@ -26,6 +30,8 @@ def dp_step(lay, step, rng, delayed=None, slow_compute=None, skew=None, t0=True,
     comm = np.zeros(w)
     for k in range(BUCKETS):
         enter = base + 0.1 * (k + 1) * (1 + late / 0.3) + rng.exponential(jitter, w)
+        if quick is not None and k == 1:
+            enter[quick] -= 0.03
         call = enter.copy()  # when the reduction really starts
         if delayed is not None:
             enter[delayed] += k * delay
@@ -507,3 +513,19 @@ def test_a_stage_blocked_on_its_slow_upstream_partner_is_not_late_for_its_collec
     outs, _ = run(network, pipeline_steps(80, np.random.default_rng(31), late=6))
     got = blamed(outs)
     assert got and {r for _, rs in got for r in rs} == {6} and got[0][0] <= 40
+
+
+def test_a_bystander_that_computed_less_but_waited_for_the_slow_link_is_not_late():
+    """Rank 2's link holds every bucket back from step 30; rank 1 computes 10 % less
+    from then on (the host gave it a core) and reaches the second bucket early, but
+    waits for rank 2 there, so what it saved goes into waiting. Credited
+    its shortfall, it was "late for its work" (8 ranks, bench amp and nanogpt: a
+    bystander named for 9-13 steps). It waited more than its peers typically did and
+    more than its lateness: a victim. Rank 2 alone is named."""
+    rng = np.random.default_rng(41)
+    lay = layout(8)
+    frames = [dp_step(lay, s, rng, delayed=2 if s >= 30 else None, delay=0.02,
+                      quick=1 if s >= 30 else None, jitter=0.001) for s in range(70)]
+    outs, _ = run(network, frames)
+    got = blamed(outs)
+    assert got and {r for _, rs in got for r in rs} == {2}
