@@ -237,10 +237,30 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
         back = change_point_back(z[h], have[h], dd[h] > floor)
         run = have[h] & (np.arange(state.steps)[None, :] < back[:, None])
         run_d = np.where(run, dd[h], 0.0).sum(axis=1) / np.maximum(run.sum(axis=1), 1)
-        out.ratio[rows[h]] = np.exp(run_d)  # since the onset: the slowdown to act on
+        out.ratio[rows[h]] = np.exp(run_d)  # over the shift: the slowdown to act on
         out.over_usual[rows[h]] = np.exp(run_d - usual[h])
-        out.onset_back[rows[h]] = back
+        # the onset reported is no older than the newest readings that held the gap
+        out.onset_back[rows[h]] = np.minimum(back, _kept_run(dd[h] > floor, have[h]))
         out.partner[rows[h]] = other[h]
+    return out
+
+
+def _kept_run(keep: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """Per row (readings newest first): how many of the newest readings the gap holds
+    through, a lone reading without it forgiven where two with it follow. A clean pair
+    on a crowded host drifts as far as a fault now and then: onsets err late."""
+    out = np.ones(keep.shape[0], dtype=np.int64)
+    for i in range(keep.shape[0]):
+        missed, since = False, 0  # a miss seen, and the readings kept since
+        for j in np.flatnonzero(have[i]):
+            if not keep[i, j]:
+                if missed and since < 2:
+                    break
+                missed, since = True, 0
+                continue
+            since += 1
+            if not missed or since >= 2:
+                out[i], missed = j + 1, False
     return out
 
 
