@@ -247,8 +247,8 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
 
 def _kept_run(keep: np.ndarray, have: np.ndarray) -> np.ndarray:
     """Per row (readings newest first): how many of the newest readings the gap holds
-    through, a lone reading without it forgiven where two with it follow. A clean pair
-    on a crowded host drifts as far as a fault now and then: onsets err late."""
+    through, a lone reading without it forgiven where the two before it hold it again.
+    A clean pair on a crowded host drifts as far as a fault now and then: onsets err late."""
     out = np.ones(keep.shape[0], dtype=np.int64)
     for i in range(keep.shape[0]):
         missed, since = False, 0  # a miss seen, and the readings kept since
