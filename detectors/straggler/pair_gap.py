@@ -209,14 +209,17 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
         recent = np.where(have[:, :QUIET], dd[:, :QUIET], 0.0).sum(axis=1) / np.maximum(
             have[:, :QUIET].sum(axis=1), 1)  # fmt: skip
         floor = math.log(cfg.pair_gap_ratio)
-        # until it judges, every clean step teaches; then only steps near the usual gap
-        quiet = ~judged | (np.abs(recent - usual) < 0.5 * floor)
+        mean_d = np.where(have, dd, 0.0).sum(axis=1) / np.maximum(k, 1)
+        # until it judges, every clean step teaches; then only steps near the usual gap,
+        # or any while the window's gap is under the usual by as much (narrower: not
+        # this rank's slowness): a usual learnt in a lopsided warm-up must come down
+        # to the pair's real gap, or only as wide a gap would ever teach it
+        quiet = ~judged | (np.abs(recent - usual) < 0.5 * floor) | (mean_d < usual - 0.5 * floor)
         state.pending = (rows, ranks, d, quiet & np.isfinite(d))
         full = judged & (k * 4 >= 3 * state.steps)
         if not full.any():
             state.active[ranks] = False
             return out
-        mean_d = np.where(have, dd, 0.0).sum(axis=1) / np.maximum(k, 1)
         over = mean_d - usual
         z = np.clip((dd - usual[:, None]) / spread[:, None], -cfg.window_clip, cfg.window_clip)
         zsum = np.where(have, z, 0.0).sum(axis=1) / np.sqrt(np.maximum(k, 1))

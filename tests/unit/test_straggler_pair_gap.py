@@ -102,6 +102,21 @@ def test_a_gap_that_only_closed_after_a_lopsided_start_is_not_named():
     assert not named(outs)
 
 
+def test_a_fault_after_a_lopsided_start_is_named_once_the_usual_gap_came_down():
+    # rank 1 1.4x slower in its first steps (learnt as the usual gap), then even, then a
+    # 1.41x fault from step 36: only steps near the old usual taught it, so it stayed
+    # at 1.4x and the fault read as the pair's habit (found in 0 of 6 runs)
+    found = 0
+    for seed in range(6):
+        outs, _ = run(S, frames(np.random.default_rng(seed), slow=1.2, faster=0.85, onset=36,
+                                steps=68, start_gap=1.4))  # fmt: skip
+        got = named(outs)
+        assert {s.ranks for _, s in got} <= {(1,)}, seed
+        found += bool(got)
+        assert not got or got[0][1].evidence["onset_step"] >= 36, seed
+    assert found >= 4
+
+
 def test_two_replicas_always_this_far_apart_are_not_named():
     # rank 1 1.25x slower than rank 0 from the first step on: nothing changed
     outs, _ = run(S, frames(np.random.default_rng(7), slow=1.0, faster=1.0, start_gap=1.25,
