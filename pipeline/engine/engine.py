@@ -81,7 +81,7 @@ class EngineConfig:
     """Severity and duration -> evict / recover / observe."""
     merge_gap_steps: int = 2
     """A signal within this many steps of an incident's last step continues it."""
-    reopen_gap_steps: int = 8
+    reopen_gap_steps: int = 16
     """A slowness signal on the same ranks whose onset is within this many steps of a
     closed incident's last step reopens it (hysteresis: a mild straggler on a noisy host
     drops below its thresholds for a few steps and is still one finding)."""

@@ -122,7 +122,7 @@ class IncidentTracker:
         policy: PolicyConfig,
         *,
         merge_gap_steps: int = 2,
-        reopen_gap_steps: int = 8,
+        reopen_gap_steps: int = 16,
         report_transient: bool = False,
         job_hosts: Callable[[], Iterable[str]] | None = None,
     ) -> None:
