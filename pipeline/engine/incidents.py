@@ -51,6 +51,7 @@ __all__ = ["IncidentTracker"]
 # well as a slow link, so they never evict on their own.
 LONE_WAIT_RULES = frozenset({"last_arrival_or_shortest_wait", "peer_comm_s"})
 SLOWDOWN_SIGNALS = 16  # an incident's sustained slowdown: median over its latest signals
+CURRENT_STEPS = 4  # a straggler's current slowdown: median over its latest steps
 
 
 class _Incident:
@@ -58,6 +59,7 @@ class _Incident:
         "kind", "ranks", "first_ranks", "first_step", "last_step", "detected_step",
         "detected_t", "score", "detector", "severity", "evidence", "unattributed",
         "signals", "detectors", "reported", "fid", "actions", "slowdowns", "rules",
+        "current",
     )  # fmt: skip
 
     def __init__(self, job: str, sig: Signal, step: int) -> None:
@@ -79,6 +81,7 @@ class _Incident:
         self.actions: dict[str, dict] = {}  # action -> {"step", "t"} when first decided
         self.slowdowns: list[float] = []  # per signal: how much slower than its peers
         self.rules: set[str] = set()
+        self.current: dict[int, float] = {}  # step -> compute over its reference that step
         self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
 
 
@@ -91,6 +94,18 @@ def _slowdown(sig: Signal) -> float | None:
         v = ev.get(key)
         if isinstance(v, int | float) and v == v and v > 0:
             return float(v)
+    return None
+
+
+def _step_ratio(sig: Signal) -> float | None:
+    """A straggler signal's compute this step over the reference its rule compares it
+    with (evidence ``value`` / ``peer_median``: the group median, or a pair's partner)."""
+    if sig.kind != "straggler":
+        return None
+    ev = sig.evidence or {}
+    v, ref = ev.get("value"), ev.get("peer_median")
+    if isinstance(v, int | float) and isinstance(ref, int | float) and v == v and ref > 0:
+        return float(v) / float(ref)
     return None
 
 
@@ -224,14 +239,22 @@ class IncidentTracker:
         a slow link on rank 2, bench_false_alarms); the job's slowdown then backs
         either. Neither evicts on it while both are open: two real faults of
         different kinds at once are rare, an eviction of the wrong rank is worse
-        than a late one.
+        than a late one. Of two stragglers (or two slow links), the weaker one's is
+        contested: a pp replica that ran 1.3x its sped-up partner for a few steps
+        beside a real 1.5x straggler was evicted on that straggler's job slowdown.
         """
         if inc.kind not in SLOWNESS_KINDS or inc.unattributed:
             return None
+        mine = self._sustained(inc)
         for other in self._open:
-            if (other is not inc and other.reported and not other.unattributed
-                    and other.kind in SLOWNESS_KINDS and other.kind != inc.kind
-                    and not (other.ranks & inc.ranks)):  # fmt: skip
+            if (other is inc or not other.reported or other.unattributed
+                    or other.kind not in SLOWNESS_KINDS or other.ranks & inc.ranks):  # fmt: skip
+                continue
+            if other.kind != inc.kind:
+                return other
+            theirs = self._sustained(other)
+            if (mine is not None and theirs is not None and theirs > mine
+                    and not degraded(self.policy, other.kind, theirs)):  # fmt: skip
                 return other
         return None
 
@@ -251,6 +274,11 @@ class IncidentTracker:
         if slow is not None:
             inc.slowdowns.append(slow)
             del inc.slowdowns[:-SLOWDOWN_SIGNALS]
+        now = _step_ratio(sig)
+        if now is not None:  # the strongest rule's reading of the step
+            inc.current[step] = max(now, inc.current.get(step, now))
+            for old in sorted(inc.current)[:-CURRENT_STEPS]:
+                del inc.current[old]
         rule = (sig.evidence or {}).get("rule")
         if rule:
             inc.rules.add(str(rule))
@@ -287,6 +315,7 @@ class IncidentTracker:
         if inc.kind == "sdc" and inc.fid not in self.findings and not inc.unattributed:
             self.host_sdc.update(hosts)
         slowdown = self._sustained(inc)
+        current = statistics.median(inc.current.values()) if inc.current else None
         corroborated = inc.kind != "network" or bool(inc.rules - LONE_WAIT_RULES) or (
             len(inc.rules) >= 2 or len(inc.detectors) >= 2
         )
@@ -302,6 +331,7 @@ class IncidentTracker:
             slowdown=slowdown,
             corroborated=corroborated,
             job_slowdown_z=self.pace.shift_z(inc.fid),
+            current_slowdown=current,
         )
         if action != "observe" and action not in inc.actions:
             inc.actions[action] = {"step": step, "t": plain(float(t))}
@@ -319,6 +349,8 @@ class IncidentTracker:
             evidence["slowdown"] = round(slowdown, 4)
             if degraded(self.policy, inc.kind, slowdown):
                 evidence["degraded"] = True
+        if current is not None:
+            evidence["current_slowdown"] = round(current, 4)
         if rival is not None:
             evidence["contested"] = (
                 f"a {rival.kind} incident on rank(s) {sorted(rival.ranks)} is open as well: "
@@ -395,6 +427,7 @@ def _inc_dict(i: _Incident) -> dict:
         "signals": i.signals, "detectors": sorted(i.detectors),
         "reported": i.reported, "fid": i.fid, "actions": i.actions,
         "slowdowns": list(i.slowdowns), "rules": sorted(i.rules),
+        "current": [[k, v] for k, v in sorted(i.current.items())],
     }  # fmt: skip
 
 
@@ -418,6 +451,7 @@ def _inc_load(job: str, s: dict) -> _Incident:
     inc.fid = s["fid"]
     inc.slowdowns = [float(x) for x in s.get("slowdowns", [])]
     inc.rules = set(s.get("rules", []))
+    inc.current = {int(k): float(v) for k, v in s.get("current", [])}
     return inc
 
 

@@ -37,6 +37,10 @@ class PolicyConfig:
     (``pipeline/engine/pace.py``): a rank that is really slow makes everyone wait; one
     that only looks slow (CPU time moved between ranks on a crowded host, other work
     between collectives) leaves the step as it was."""
+    evict_current_slowdown: float = 1.1
+    """... and only while it is still slow: a straggler's median compute over its
+    reference in its latest steps (``current_slowdown``, up to 4) at least this. A rank
+    whose window still remembers a slow spell it has left is watched, not evicted."""
 
     def __post_init__(self) -> None:
         if self.evict_after_steps < 1:
@@ -47,6 +51,10 @@ class PolicyConfig:
             )
         if not self.evict_slowdown > 1.0:
             raise ValueError(f"evict_slowdown must be > 1, got {self.evict_slowdown}")
+        if not self.evict_current_slowdown >= 1.0:
+            raise ValueError(
+                f"evict_current_slowdown must be >= 1, got {self.evict_current_slowdown}"
+            )
         if not self.job_slowdown_z > 0:
             raise ValueError(f"job_slowdown_z must be > 0, got {self.job_slowdown_z}")
 
@@ -67,6 +75,7 @@ def decide_action(
     slowdown: float | None = None,
     corroborated: bool = True,
     job_slowdown_z: float | None = None,
+    current_slowdown: float | None = None,
 ) -> str:
     """The action for an incident as it stands now.
 
@@ -78,7 +87,8 @@ def decide_action(
     that other explanations fit as well (a rank that merely waited less);
     ``job_slowdown_z`` how far (standard errors) the job's step time since
     onset exceeds its quiet baseline (None: no baseline yet, so a slowness
-    finding cannot evict).
+    finding cannot evict); ``current_slowdown`` its slowdown over its latest steps
+    (None: not measured).
     """
     if severity not in SEVERITY_RANK:
         raise ValueError(f"unknown severity {severity!r}")
@@ -94,6 +104,7 @@ def decide_action(
             or not corroborated
             or job_slowdown_z is None
             or job_slowdown_z < cfg.job_slowdown_z
+            or (current_slowdown is not None and current_slowdown < cfg.evict_current_slowdown)
         ):
             return "observe"
         if duration_steps > cfg.evict_after_steps:

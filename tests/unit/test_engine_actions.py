@@ -142,3 +142,41 @@ def test_a_mild_incident_that_turns_strong_within_the_reopen_gap_is_one_finding(
     assert (f.first_step, f.last_step) == (19, 59)
     fs = _bursts(120, range(20, 40), range(80, 100))
     assert [(g.first_step, g.last_step) for g in fs] == [(19, 39), (79, 99)]
+
+
+def _held(rank, ratio, now, partner=0.05):
+    """A straggler signal whose run ratio is ``ratio`` and whose step reads ``now`` x
+    its partner (evidence value / peer_median, as pair_gap writes it)."""
+    sig = _slow(rank=rank, ratio=ratio, rule="pair_gap")
+    sig.evidence.update(value=partner * now, peer_median=partner)
+    return sig
+
+
+def test_a_rank_its_window_still_holds_after_its_slow_spell_is_not_evicted():
+    """ppf80 fault-straggler1.5-pp-0006: a pp replica 1.3x its sped-up partner for a
+    few steps, then back at 0.9-1.1x while its 16-step window kept it named at 1.4x;
+    the job slowed from a real straggler elsewhere, and it was evicted."""
+    step_s = lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3)  # noqa: E731
+    for now, action in ((1.0, "observe"), (1.05, "observe"), (1.4, "evict")):
+        tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+        (f,) = _feed(tr, 60, lambda s: s >= 30, step_s, lambda n=now: _held(3, 1.45, n))
+        assert f.action == action, now
+        assert f.evidence["current_slowdown"] == now
+    # a slowdown no rule measured per step (no value / peer_median) is not held back
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    (f,) = _feed(tr, 60, lambda s: s >= 30, step_s, lambda: _slow(ratio=1.5))
+    assert f.action == "evict" and "current_slowdown" not in f.evidence
+
+
+def test_the_weaker_of_two_stragglers_does_not_evict_on_the_stronger_ones_slowdown():
+    step_s = lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3)  # noqa: E731
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(60):
+        sigs = [_held(1, 1.6, 1.6)] if s >= 30 else []
+        if s >= 26:
+            sigs.append(_held(3, 1.3, 1.3))
+        tr.update(s, float(s), sigs, _hosts, step_s=step_s(s))
+    found = {f.ranks[0]: f for f in tr.findings.values()}
+    assert found[1].action == "evict" and "contested" not in found[1].evidence
+    assert found[3].action == "observe" and "[1]" in found[3].evidence["contested"]
+    assert "evict" not in found[3].evidence.get("actions", {})
