@@ -49,6 +49,7 @@ def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> D
     unanimous = same.all(axis=1)
     if len(state.replicated) < idx.n_groups:
         agreed = unanimous & (idx.sizes >= 2) & (mat[:, 0] != None)  # noqa: E711
+        agreed &= (idx.matrix(_finite(frame).astype(np.float64), fill=1.0) == 1.0).all(axis=1)
         state.replicated.update(int(k) for k in idx.keys[agreed])
     for g in np.flatnonzero(~unanimous):
         rows = idx.cell_rows(int(g))
@@ -79,6 +80,18 @@ def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> D
         if len(out.signals) > cfg.max_signals_per_step:
             break
     return out
+
+
+def _finite(frame: StepFrame) -> np.ndarray:
+    """Rows whose step reported no non-finite value. Weights gone NaN hash alike on
+    every rank, so FSDP shards that never agreed look replicated on such a step (a tp
+    NaN run: then six unattributed SDC findings as the NaN payloads differed)."""
+    ok = np.ones(frame.n, dtype=bool)
+    for col in ("nonfinite", "nonfinite_named"):
+        x = frame.m.get(col)
+        if x is not None:
+            ok &= ~(np.nan_to_num(x, nan=0.0) > 0)
+    return ok
 
 
 def _short(d) -> str | None:

@@ -59,6 +59,27 @@ def test_digest_two_replicas_unattributed_and_sharded_params_ignored():
     assert not any(o.signals for o in outs)
 
 
+def test_shards_that_only_agree_once_their_weights_are_nan_are_not_replicas():
+    # FSDP shards differ; after a NaN every shard is all NaN and hashes alike, then
+    # the NaN payloads differ again: no replica set was learnt, so no SDC finding
+    lay = layout(2, 2, 1)
+    shards = [f"shard{r}" for r in range(4)]
+    frames = []
+    for s in range(8):
+        nan = s >= 3
+        d = np.array(["nan-a" if nan and (s < 5 or r) else
+                      "nan-b" if nan else f"{shards[r]}:{s}" for r in range(4)], dtype=object)
+        frames.append(make_frame(lay, s, {"nonfinite": np.full(4, 9.0 if nan else 0.0)},
+                                 digest=d))  # fmt: skip
+    outs, state = run(digest_vote, frames)
+    assert not any(o.signals for o in outs) and not state.replicated
+    # the same digests on steps that report nothing non-finite: learnt, then reported
+    for f in frames:
+        f.m["nonfinite"][:] = 0.0
+    outs, state = run(digest_vote, frames)
+    assert state.replicated and any(s.unattributed for o in outs for s in o.signals)
+
+
 def test_digest_absent_and_missing_ranks():
     lay = layout(5, 1, 1)
     d = digests(lay, 0, (2,))
