@@ -59,7 +59,8 @@ class StragglerConfig(ConsensusConfig):
     lead_over_peers: float = 1.25  # ...and of every other member's
     lead_mild_ratio: float = 1.2  # a mild lead: the other steps of the run may show this...
     lead_mild_over_peers: float = 1.1  # ...and this over every other member
-    lead_mild_after: int = 16  # judged steps before a mild lead counts (young spreads mislead)
+    lead_after: int = 12  # judged steps before any lead counts (young spreads mislead)
+    lead_mild_after: int = 16  # and before a mild one counts
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
     lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
     lead_z: float = 2.0  # and this many of the group's learnt spreads (0: not asked)
@@ -81,8 +82,8 @@ class StragglerConfig(ConsensusConfig):
         if not (1.0 <= self.lead_mild_ratio <= self.lead_ratio
                 and 1.0 <= self.lead_mild_over_peers <= self.lead_over_peers):  # fmt: skip
             raise ValueError("the mild lead margins must be in [1, the strong ones]")
-        if self.lead_mild_after < 0:
-            raise ValueError("lead_mild_after must be >= 0")
+        if not 0 <= self.lead_after <= self.lead_mild_after:
+            raise ValueError("need 0 <= lead_after <= lead_mild_after")
         if self.lead_z < 0:
             raise ValueError("lead_z must be >= 0")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
@@ -325,8 +326,10 @@ def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
     step_z = win.step_z if win is not None else None
     strong, lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg, step_z)
     judged = state.streaks.rate[(cfg.window_metric, "slow")].steps
-    if lead.any() and judged < cfg.history_min_steps:
-        lead[:] = strong[:] = False  # the job's first steps (warm-up, loaders starting) teach only
+    if lead.any() and judged < max(cfg.lead_after, cfg.history_min_steps):
+        # the job's first steps (warm-up, loaders starting) teach only, and a lead is
+        # judged against a learnt spread too young to tell one rank's hiccup from slowness
+        lead[:] = strong[:] = False
     elif lead.any() and judged < cfg.lead_mild_after:
         lead &= strong  # the learnt spread is young: only strong leads count
     if not (lead.any() or state.lead.count.any()):

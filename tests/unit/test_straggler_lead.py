@@ -4,6 +4,7 @@ peers' waits confirm, two steps in a row, names a 1.5x rank at once; noise does 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from rankscope.detectors.straggler import detector as S
 from support.synth import layout, make_frame
 from support.synth import run_detector as run
@@ -119,3 +120,16 @@ def test_a_mild_first_step_then_a_strong_one_names_the_rank_at_the_second():
     assert first.evidence["streak_steps"] == 1  # onset: step 31
     strict, _ = run(S, fs, S.StragglerConfig(lead_mild_ratio=1.3, lead_mild_over_peers=1.25))
     assert min(i for i, r in named(strict) if r == 3) == 32
+
+
+def test_a_young_job_names_no_one_on_its_lead():
+    # two strong leads right after warm-up: the group's learnt spread is a few steps
+    # old, and a crowded host's hiccup reads as many spreads (a clean tp run, step 9)
+    outs, _ = run(S, frames(40, np.random.default_rng(4), slow=3, onset=8))
+    assert named(outs, rule="lead") == []
+    assert {r for _, r in named(outs)} == {3}  # the window still finds a lasting one
+    outs, _ = run(S, frames(40, np.random.default_rng(4), slow=3, onset=8),
+                  S.StragglerConfig(lead_after=0))  # fmt: skip
+    assert named(outs, rule="lead")[0] == (9, 3)
+    with pytest.raises(ValueError):
+        S.StragglerConfig(lead_after=20)  # after the mild leads
