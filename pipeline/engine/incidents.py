@@ -123,6 +123,9 @@ def _onset(sig: Signal, step: int) -> int:
 UNATTRIBUTED_TRANSIENT_SIGNALS = 2
 """An unattributed slowness incident of transient signals is reported from its second."""
 
+LONE_WAIT_SIGNALS = 2
+"""A network incident of lone-wait signals only is reported from its second."""
+
 CLOSED_KEPT_STEPS = 64
 """A closed incident is kept this many steps: a later signal whose onset (streak or
 window) falls inside it reopens it instead of opening a second finding."""
@@ -297,6 +300,10 @@ class IncidentTracker:
                                       or inc.signals >= UNATTRIBUTED_TRANSIENT_SIGNALS))
             or self.report_transient
         )  # fmt: skip
+        # a shorter wait alone is the weakest evidence there is: one step of it is a
+        # crowded host's jitter as often as a link (clean tp and tutorial runs, cl40/cl80)
+        if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
+            reportable = reportable and inc.signals >= LONE_WAIT_SIGNALS
         if reportable and not inc.reported:
             inc.reported = True
             inc.detected_step = step

@@ -139,6 +139,27 @@ def test_transient_signals_are_not_findings_but_unattributed_ones_are_reported()
     assert g.action == "observe"
 
 
+def test_a_lone_shorter_wait_is_reported_from_its_second_signal():
+    # one step of "it waited least" is a crowded host's jitter as often as a slow link
+    # (one-step network observes on clean tp and tutorial runs, bench_false_alarms)
+    def wait(rule="last_arrival_or_shortest_wait"):
+        return Signal(kind="network", ranks=(2,), detector="network", score=0.01,
+                      severity="persistent", evidence={"rule": rule})  # fmt: skip
+
+    tr = IncidentTracker("j", PolicyConfig())
+    assert tr.update(9, 9.0, [wait()], _hosts) == []
+    for s in range(10, 13):
+        tr.update(s, float(s), [], _hosts)
+    assert not tr.findings  # it never came back: nothing to report
+    assert tr.update(20, 20.0, [wait()], _hosts) == []
+    (f,) = tr.update(21, 21.0, [wait()], _hosts)
+    assert (f.first_step, f.detected_step, f.action) == (20, 21, "observe")
+    # a rule that saw the rank late is reported at once
+    tr = IncidentTracker("j", PolicyConfig())
+    (g,) = tr.update(9, 9.0, [wait("persistent_last_arrival")], _hosts)
+    assert g.detected_step == 9
+
+
 def test_recurring_sdc_on_one_host_is_evicted():
     tr = IncidentTracker("j", PolicyConfig(recurring_sdc_incidents=2), merge_gap_steps=1)
     (a,) = tr.update(5, 1.0, [_sig([1], kind="sdc", severity="oneshot")], _hosts)
