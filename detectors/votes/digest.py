@@ -84,8 +84,8 @@ def detect(frame: StepFrame, state: DigestVoteState, cfg: DigestVoteConfig) -> D
 
 def _finite(frame: StepFrame) -> np.ndarray:
     """Rows whose step reported no non-finite value. Weights gone NaN hash alike on
-    every rank, so FSDP shards that never agreed look replicated on such a step (a tp
-    NaN run: then six unattributed SDC findings as the NaN payloads differed)."""
+    every rank, so shards that never agreed would look replicated on such a step
+    (docs/detectors.md, "detectors/votes/digest.py")."""
     ok = np.ones(frame.n, dtype=bool)
     for col in ("nonfinite", "nonfinite_named"):
         x = frame.m.get(col)

@@ -301,7 +301,7 @@ class IncidentTracker:
             or self.report_transient
         )  # fmt: skip
         # a shorter wait alone is the weakest evidence there is: one step of it is a
-        # crowded host's jitter as often as a link (clean tp and tutorial runs, cl40/cl80)
+        # crowded host's jitter as often as a link (docs/detectors.md, "Actions")
         if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
             reportable = reportable and inc.signals >= LONE_WAIT_SIGNALS
         if reportable and not inc.reported:
