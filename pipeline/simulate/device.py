@@ -39,7 +39,7 @@ class _SleepDebt:
         self.owed_s = 0.0
 
     def pay(self, min_s: float = _MIN_SLEEP_S) -> None:
-        if self.owed_s >= min_s:
+        if self.owed_s > 0.0 and self.owed_s >= min_s:  # sleep(0) yields: no credit from it
             t0 = time.perf_counter()
             time.sleep(self.owed_s)
             self.owed_s -= time.perf_counter() - t0
