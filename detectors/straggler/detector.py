@@ -64,6 +64,12 @@ class StragglerConfig(ConsensusConfig):
     lead_wait_frac: float = 0.5  # peers' comm_s over its own by this share of its excess
     lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
     lead_z: float = 2.0  # and this many of the group's learnt spreads (0: not asked)
+    lead_long_steps: int = 3  # a longer run of looser leads, one strong (0: off)...
+    lead_long_ratio: float = 1.1  # ...at this multiple of the group median,
+    lead_long_over_peers: float = 1.05  # this of every other member's,
+    lead_long_wait_frac: float = 0.2  # this share of its excess waited by its peers,
+    lead_long_step_frac: float = 0.07  # this share of the job's step,
+    lead_long_z: float = 1.3  # and this many learnt spreads (at most lead_z's)
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
 
@@ -86,6 +92,12 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("need 0 <= lead_after <= lead_mild_after")
         if self.lead_z < 0:
             raise ValueError("lead_z must be >= 0")
+        if not (0 <= self.lead_long_steps and 1.0 <= self.lead_long_ratio <= self.lead_mild_ratio
+                and 1.0 <= self.lead_long_over_peers <= self.lead_mild_over_peers
+                and 0.0 <= self.lead_long_wait_frac <= self.lead_wait_frac
+                and 0.0 <= self.lead_long_step_frac <= self.lead_step_frac
+                and 0.0 <= self.lead_long_z):  # fmt: skip
+            raise ValueError("the long-run lead margins must be in [their floor, the mild ones]")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
@@ -98,10 +110,11 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead", "lead_strong", "pair_named", "named_rate", "suspect",
-                 "pair_gap")  # fmt: skip
+                 "lead", "lead_strong", "lead_long", "long_strong", "pair_named",
+                 "named_rate", "suspect", "pair_gap")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
-             "lead_strong", "pair_named", "named_rate", "pair_gap")  # fmt: skip
+             "lead_strong", "lead_long", "long_strong", "pair_named", "named_rate",
+             "pair_gap")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -113,6 +126,8 @@ class StragglerState(PartsState):
         self.tokens = TokenModel()
         self.lead = StreakCounter()  # steps in a row a rank led its group (straggler/lead.py)
         self.lead_strong = StreakCounter()  # of those, the steps since the run's 1st strong one
+        self.lead_long = StreakCounter()  # the same for the looser leads of a longer run
+        self.long_strong = StreakCounter()
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
@@ -324,20 +339,36 @@ def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     step_z = win.step_z if win is not None else None
-    strong, lead = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg, step_z)
+    strong, lead, long = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
+                                   step_z)  # fmt: skip
+    if not cfg.lead_long_steps:
+        long = lead
     judged = state.streaks.rate[(cfg.window_metric, "slow")].steps
-    if lead.any() and judged < max(cfg.lead_after, cfg.history_min_steps):
+    if long.any() and judged < max(cfg.lead_after, cfg.history_min_steps):
         # the job's first steps (warm-up, loaders starting) teach only, and a lead is
         # judged against a learnt spread too young to tell one rank's hiccup from slowness
-        lead[:] = strong[:] = False
-    elif lead.any() and judged < cfg.lead_mild_after:
-        lead &= strong  # the learnt spread is young: only strong leads count
-    if not (lead.any() or state.lead.count.any()):
+        long[:] = lead[:] = strong[:] = False
+    elif long.any() and judged < cfg.lead_mild_after:
+        long &= strong  # the learnt spread is young: only strong leads count
+        lead &= strong
+    if not (long.any() or state.lead.count.any() or state.lead_long.count.any()):
         return lead, np.zeros(n, dtype=np.int64)
-    run = np.asarray(state.lead.update(frame.rank, lead), dtype=np.int64)
-    was = state.lead_strong.peek(frame.rank) > 0
-    since = np.asarray(state.lead_strong.update(frame.rank, lead & (strong | was)), dtype=np.int64)
-    return lead & (run >= cfg.lead_steps) & (since > 0), since
+    fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong, cfg.lead_steps)
+    if cfg.lead_long_steps:
+        more, since_long = _lead_run(frame, state.lead_long, state.long_strong, long, strong,
+                                     cfg.lead_long_steps)  # fmt: skip
+        since = np.where(fired, since, since_long)  # onset: the run that named it
+        fired |= more
+    return fired, since
+
+
+def _lead_run(frame, run_count, strong_count, lead, strong, steps: int):
+    """(named, steps since the run's first strong lead): rows that led ``steps`` steps
+    in a row, one of them strong."""
+    run = np.asarray(run_count.update(frame.rank, lead), dtype=np.int64)
+    was = strong_count.peek(frame.rank) > 0
+    since = np.asarray(strong_count.update(frame.rank, lead & (strong | was)), dtype=np.int64)
+    return lead & (run >= steps) & (since > 0), since
 
 
 def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:

@@ -11,6 +11,10 @@ others may be mild ones (``lead_mild_*``, every other test passed): a 1.5x
 straggler on a noisy host measures 1.2-1.9x step to step, and two strong
 leads in a row waited for a lucky pair. When every rank reports ``tokens``, a
 long batch's share of compute is allowed for.
+A longer run (``lead_long_steps``) may be of looser leads (``lead_long_*``: a
+smaller lead, a share of the waits, no spread asked), one of them strong: on a
+crowded host a slow rank's compute jitters through the mild margins, and three
+leads in a row by chance are rarer than two mild ones.
 The excess must also be ``lead_step_frac`` of the step (the job pays for it)
 and ``lead_z`` of the group's learnt spread (the windowed test's per-step z): a
 loop whose short compute jitters by a third asks a larger lead than a steady
@@ -53,16 +57,17 @@ def _second_largest(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
 
 
 def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
-              step_z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """(strong, mild): rows whose metric ``i`` (compute) leads its group this step by
-    the strong or at least the mild margins (see the module; strong rows are mild too);
-    ``step_z``: this step's z over the group's learnt spread (NaN, or None: not learnt
-    yet, and nothing leads)."""
+              step_z: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """(strong, mild, long): rows whose metric ``i`` (compute) leads its group this step
+    by the strong, at least the mild, or at least the long run's margins (see the
+    module; each tier is inside the next); ``step_z``: this step's z over the group's
+    learnt spread (NaN, or None: not learnt yet, and nothing leads)."""
     x, med = c.x[i], c.median[i]
     with np.errstate(invalid="ignore"):
-        lead = (c.count[i] >= 3) & (x >= cfg.lead_mild_ratio * med)
-        if not lead.any():
-            return lead, lead
+        cand = (c.count[i] >= 3) & (x >= cfg.lead_long_ratio * med)
+        if not cand.any():
+            return cand, cand, cand
         tokens = frame.m.get("tokens")
         expected = med
         if tokens is not None and np.isfinite(tokens).all() and (tokens > 0).all():
@@ -70,19 +75,30 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
             expected = med * np.maximum(1.0, tokens / tok_med)  # a long batch takes longer
         # an excess that costs the whole job a share of its step (noise in a short
         # compute next to long waits is large relative to the compute, not to the step)
-        floor = max(cfg.min_excess_s, cfg.lead_step_frac * step_reference_s(frame))
-        lead &= (x >= cfg.lead_mild_ratio * expected) & (x - expected > floor)
+        ref = step_reference_s(frame)
+        floor = max(cfg.min_excess_s, cfg.lead_step_frac * ref)
+        excess = x - expected
+        long = cand & (x >= cfg.lead_long_ratio * expected)
+        long &= excess > max(cfg.min_excess_s, cfg.lead_long_step_frac * ref)
         runner_up = _second_largest(idx, x)
+        long &= x >= cfg.lead_long_over_peers * runner_up
+        long_z = min(cfg.lead_long_z, cfg.lead_z)  # never asks more than a mild lead
+        if long_z > 0:
+            long &= (step_z >= long_z) if step_z is not None else False
+        comm = frame.m.get("comm_s")
+        if not long.any() or comm is None or not np.isfinite(comm).any():
+            return long & False, long & False, long & False  # no lead, or no waits seen
+        peer_comm = frame_consensus(frame, idx, ("comm_s",)).median[0]
+        waited = peer_comm - comm
+        long &= waited >= cfg.lead_long_wait_frac * (x - med)
+        lead = long & (x >= cfg.lead_mild_ratio * expected) & (excess > floor)
         lead &= x >= cfg.lead_mild_over_peers * runner_up
+        lead &= waited >= cfg.lead_wait_frac * (x - med)
         if cfg.lead_z > 0:
             lead &= (step_z >= cfg.lead_z) if step_z is not None else False
-        comm = frame.m.get("comm_s")
-        if not lead.any() or comm is None or not np.isfinite(comm).any():
-            return lead & False, lead & False  # nothing leads, or no waits to confirm it
-        peer_comm = frame_consensus(frame, idx, ("comm_s",)).median[0]
-        lead &= peer_comm - comm >= cfg.lead_wait_frac * (x - med)
         strong = lead & (x >= cfg.lead_ratio * expected) & (x >= cfg.lead_over_peers * runner_up)
-    if lead.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
-        lead &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
-        strong &= lead
-    return strong, lead
+    if long.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
+        long &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
+        lead &= long
+        strong &= long
+    return strong, lead, long

@@ -14,7 +14,7 @@ def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0,
            base_comm=0.01, first=None):  # fmt: skip
     """8 data-parallel ranks, fixed-size batches with ``jitter`` (log sd); with ``waits``
     every rank waits in the all-reduce for the slowest (comm_s = slowest - own + base);
-    ``first``: the slow rank's factor on the onset step alone."""
+    ``first``: the slow rank's factor on the onset step alone (a tuple: on its first steps)."""
     lay = layout(8)
     out = []
     for step in range(steps):
@@ -23,7 +23,8 @@ def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0,
             hit = rng.random(8) < hiccups
             compute[hit] *= 1 + rng.exponential(0.4, hit.sum())
         if slow is not None and step >= onset:
-            compute[slow] *= first if first is not None and step == onset else factor
+            ramp = () if first is None else first if isinstance(first, tuple) else (first,)
+            compute[slow] *= ramp[step - onset] if step - onset < len(ramp) else factor
         comm = compute.max() - compute + base_comm if waits else 0.01 + 0.002 * rng.random(8)
         m = {"compute_s": compute, "data_s": np.full(8, 0.0005), "comm_s": comm}
         m["step_s"] = compute + comm + 0.0005
@@ -133,3 +134,22 @@ def test_a_young_job_names_no_one_on_its_lead():
     assert named(outs, rule="lead")[0] == (9, 3)
     with pytest.raises(ValueError):
         S.StragglerConfig(lead_after=20)  # after the mild leads
+
+
+def test_three_looser_leads_in_a_row_one_strong_name_a_rank_sooner():
+    """A straggler whose first two steps lead by only 1.15x (under the mild margin, as
+    a 1.5x rank's compute often does on a crowded host), then by 1.45x: the two-step
+    rule waits for a second strong or mild lead; the long run names it at its third
+    step where its leads held, never later, and names no one else."""
+    sooner = 0
+    for seed in range(10):
+        fs = frames(60, np.random.default_rng(seed), slow=3, jitter=0.06, first=(1.15, 1.15, 1.45))
+        outs, _ = run(S, fs)
+        short, _ = run(S, fs, S.StragglerConfig(lead_long_steps=0))
+        assert {r for _, r in named(outs)} == {3}
+        first, before = named(outs)[0][0], named(short)[0][0]
+        assert 32 <= first <= before
+        sooner += first < before
+    assert sooner >= 2, sooner
+    with pytest.raises(ValueError):
+        S.StragglerConfig(lead_long_ratio=1.25)  # looser than the mild lead, not tighter
