@@ -17,6 +17,7 @@ from rankscope.detectors.stats.robust import quantile_sorted
 __all__ = ["SlowWindow", "WindowHits", "z_threshold", "change_point_back", "FOLLOW_EVERY"]
 
 FOLLOW_EVERY = 16  # once a noise ring is full, it learns one clean step in this many
+BASELINE_STRETCH = 5  # readings in a row with no excess in all that split a slow run
 
 
 @lru_cache(maxsize=1024)
@@ -31,13 +32,26 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
     """Per row of ``z`` (readings newest first, ``ok`` where present): how many of the
     newest readings a slow run spans (``SlowWindow.onset_back``), its oldest reading
     at least the run's mean and, given ``keep``, kept by it, the one after it at least
-    half the mean (a lone spike before a fault is noise): onsets err late."""
+    half the mean (a lone spike before a fault is noise), and no ``BASELINE_STRETCH``
+    readings in it that sum to no excess (a chance episode before them is another
+    one): onsets err late."""
     z = np.where(ok, z, 0.0)
     # the change point of a shift away from the baseline (z ~ 0 before it): the run
     # with the largest sum over the root of its length, the likelihood-ratio choice
     seen = np.cumsum(ok, axis=1)
     gain = np.where(seen > 0, np.cumsum(z, axis=1) / np.sqrt(np.maximum(seen, 1)), -np.inf)
     back = np.argmax(gain, axis=1) + 1
+    # a stretch inside the run that looks like the baseline (BASELINE_STRETCH readings
+    # summing to no excess) ends it: what came before is another, earlier episode
+    k = BASELINE_STRETCH
+    if z.shape[1] >= k:
+        csum = np.concatenate([np.zeros((z.shape[0], 1)), np.cumsum(z, axis=1)], axis=1)
+        flat = (csum[:, k:] - csum[:, :-k] <= 0.0) & (seen[:, k - 1:] - np.concatenate(
+            [np.zeros((z.shape[0], 1), dtype=seen.dtype), seen[:, :-k]], axis=1) == k)
+        for i in range(back.size):
+            inside = np.flatnonzero(flat[i, : max(back[i] - k + 1, 0)])
+            if inside.size and inside[0] >= 1:
+                back[i] = inside[0]
     # the oldest step of the run must look like the run (z at least its mean):
     # one noisy step just before a fault is not its onset
     for i in range(back.size):

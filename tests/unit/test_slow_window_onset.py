@@ -52,3 +52,15 @@ def test_a_lone_spike_just_before_the_fault_is_not_its_onset():
     assert _back(FAULT + [1.0, 5.0, 0.0, 0.0, 0.0, 0.0]) == len(FAULT)
     # two slow steps in a row are the run's start, though
     assert _back(FAULT + [3.0, 3.0, 0.0, 0.0, 0.0, 0.0]) == len(FAULT) + 2
+
+
+def test_an_earlier_episode_behind_a_stretch_of_baseline_is_not_the_onset():
+    # f40n's fsdp2 1.25x run, named by the window at step 37, newest first: its
+    # fault from step 20 (the first 18), five clean steps of no excess, and
+    # before them four chance steps at 2 sigmas that had pulled the onset to step 8
+    fault = [1.4, 0.1, 1.0, 2.6, 2.2, 2.3, 1.4, 2.4, 0.5, 0.5, 2.1, 0.5, 0.9, 0.3, 2.4, 1.9,
+             -0.1, 1.8]
+    clean = [0.2, 0.1, 2.5, 0.5, -0.4, -0.9, -0.5, -1.5, 2.1, 2.1, 2.1, 2.0, 0.3, 0.4]
+    assert _back(fault + clean) <= len(fault)
+    # a dip of a few steps inside a fault does not split it
+    assert _back([3.0, 3.0, 0.0, -1.0, 0.0, 3.0, 3.0, 3.0, 0.0, 0.0]) == 8
