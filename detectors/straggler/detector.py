@@ -65,6 +65,7 @@ class StragglerConfig(ConsensusConfig):
     lead_step_frac: float = 0.1  # and its excess at least this share of the job's step time
     lead_z: float = 2.0  # and this many of the group's learnt spreads (0: not asked)
     lead_long_steps: int = 3  # a longer run of looser leads, one strong (0: off)...
+    lead_long_alone: int = 4  # ...or this many of them with none strong (0: not enough)
     lead_long_ratio: float = 1.1  # ...at this multiple of the group median,
     lead_long_over_peers: float = 1.05  # this of every other member's,
     lead_long_wait_frac: float = 0.2  # this share of its excess waited by its peers,
@@ -92,6 +93,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("need 0 <= lead_after <= lead_mild_after")
         if self.lead_z < 0:
             raise ValueError("lead_z must be >= 0")
+        if self.lead_long_alone and self.lead_long_alone <= self.lead_long_steps:
+            raise ValueError("lead_long_alone must be 0 or more than lead_long_steps")
         if not (0 <= self.lead_long_steps and 1.0 <= self.lead_long_ratio <= self.lead_mild_ratio
                 and 1.0 <= self.lead_long_over_peers <= self.lead_mild_over_peers
                 and 0.0 <= self.lead_long_wait_frac <= self.lead_wait_frac
@@ -356,19 +359,24 @@ def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
     fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong, cfg.lead_steps)
     if cfg.lead_long_steps:
         more, since_long = _lead_run(frame, state.lead_long, state.long_strong, long, strong,
-                                     cfg.lead_long_steps)  # fmt: skip
+                                     cfg.lead_long_steps, cfg.lead_long_alone)  # fmt: skip
         since = np.where(fired, since, since_long)  # onset: the run that named it
         fired |= more
     return fired, since
 
 
-def _lead_run(frame, run_count, strong_count, lead, strong, steps: int):
-    """(named, steps since the run's first strong lead): rows that led ``steps`` steps
-    in a row, one of them strong."""
+def _lead_run(frame, run_count, strong_count, lead, strong, steps: int, alone: int = 0):
+    """(named, onset back): rows that led ``steps`` steps in a row, one of them strong
+    (the onset: that one), or ``alone`` steps in a row (the onset: the run's first)."""
     run = np.asarray(run_count.update(frame.rank, lead), dtype=np.int64)
     was = strong_count.peek(frame.rank) > 0
     since = np.asarray(strong_count.update(frame.rank, lead & (strong | was)), dtype=np.int64)
-    return lead & (run >= steps) & (since > 0), since
+    named = lead & (run >= steps) & (since > 0)
+    if alone:
+        by_run = lead & (run >= alone) & ~named
+        named |= by_run
+        since = np.where(by_run, run, since)
+    return named, since
 
 
 def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:

@@ -11,22 +11,23 @@ from support.synth import run_detector as run
 
 
 def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0, jitter=0.05,
-           base_comm=0.01, first=None):  # fmt: skip
-    """8 data-parallel ranks, fixed-size batches with ``jitter`` (log sd); with ``waits``
-    every rank waits in the all-reduce for the slowest (comm_s = slowest - own + base);
+           base_comm=0.01, first=None, world=8):  # fmt: skip
+    """``world`` (8) data-parallel ranks, fixed-size batches with ``jitter`` (log sd);
+    with ``waits`` every rank waits in the all-reduce for the slowest (comm_s = slowest
+    - own + base);
     ``first``: the slow rank's factor on the onset step alone (a tuple: on its first steps)."""
-    lay = layout(8)
+    lay = layout(world)
     out = []
     for step in range(steps):
-        compute = 0.1 * np.exp(jitter * rng.standard_normal(8))
+        compute = 0.1 * np.exp(jitter * rng.standard_normal(world))
         if hiccups:  # a rank now and then descheduled for a while
-            hit = rng.random(8) < hiccups
+            hit = rng.random(world) < hiccups
             compute[hit] *= 1 + rng.exponential(0.4, hit.sum())
         if slow is not None and step >= onset:
             ramp = () if first is None else first if isinstance(first, tuple) else (first,)
             compute[slow] *= ramp[step - onset] if step - onset < len(ramp) else factor
-        comm = compute.max() - compute + base_comm if waits else 0.01 + 0.002 * rng.random(8)
-        m = {"compute_s": compute, "data_s": np.full(8, 0.0005), "comm_s": comm}
+        comm = compute.max() - compute + base_comm if waits else 0.01 + 0.002 * rng.random(world)
+        m = {"compute_s": compute, "data_s": np.full(world, 0.0005), "comm_s": comm}
         m["step_s"] = compute + comm + 0.0005
         out.append(make_frame(lay, step, m))
     return out
@@ -153,3 +154,22 @@ def test_three_looser_leads_in_a_row_one_strong_name_a_rank_sooner():
     assert sooner >= 2, sooner
     with pytest.raises(ValueError):
         S.StragglerConfig(lead_long_ratio=1.25)  # looser than the mild lead, not tighter
+
+
+def test_four_looser_leads_in_a_row_name_a_mild_straggler_with_no_strong_one():
+    """A 1.15x rank of four: it never leads by the strong margins, so neither the
+    two-step rule nor the three-step long run (each asks one strong lead) names it;
+    four looser leads in a row do, sooner than the windowed and streak rules in some
+    runs, never later, and name no one else."""
+    sooner = 0
+    for seed in range(8):
+        fs = frames(60, np.random.default_rng(seed), slow=3, jitter=0.1, factor=1.15, world=4)
+        outs, _ = run(S, fs)
+        before, _ = run(S, fs, S.StragglerConfig(lead_long_alone=0))
+        assert {r for _, r in named(outs)} == {3}
+        first, old = named(outs)[0][0], named(before)[0][0]
+        assert 30 <= first <= old
+        sooner += first < old
+    assert sooner >= 2, sooner
+    with pytest.raises(ValueError):
+        S.StragglerConfig(lead_long_alone=3)  # no shorter than the long run with a strong lead
