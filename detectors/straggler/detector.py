@@ -26,7 +26,7 @@ from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
-from rankscope.detectors.straggler.lead import lead_hits
+from rankscope.detectors.straggler.lead import leading
 from rankscope.detectors.straggler.pair import pair_named
 from rankscope.detectors.straggler.pair_gap import PairGap, pair_gap_hits, pair_gap_signal
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
@@ -212,7 +212,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             s = (x[i, rows] > limit) & (x[i, rows] - hmed > floors[i, 0])
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
-    lead, lead_run = _leading(frame, idx, c, state, cfg, win)
+    lead, lead_run = leading(frame, idx, c, state, cfg, win)
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
     victims = _victims(frame, c, hit | pair, win, state, cfg)
@@ -332,51 +332,6 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
             **({"gpu": g} if (g := gpu_context(frame, row)) else {}),
         ),
     )
-
-
-def _leading(frame, idx, c, state, cfg, win) -> np.ndarray:
-    """Rows the fast rule names this step (a lead for ``lead_steps`` steps in a row, one
-    of them strong), and per row how many steps it has led since its first strong lead
-    (the onset: a mild lead just before a fault is as often chance)."""
-    n = frame.n
-    if not (cfg.lead_steps and cfg.window_metric):
-        return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
-    step_z = win.step_z if win is not None else None
-    strong, lead, long = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
-                                   step_z)  # fmt: skip
-    if not cfg.lead_long_steps:
-        long = lead
-    judged = state.streaks.rate[(cfg.window_metric, "slow")].steps
-    if long.any() and judged < max(cfg.lead_after, cfg.history_min_steps):
-        # the job's first steps (warm-up, loaders starting) teach only, and a lead is
-        # judged against a learnt spread too young to tell one rank's hiccup from slowness
-        long[:] = lead[:] = strong[:] = False
-    elif long.any() and judged < cfg.lead_mild_after:
-        long &= strong  # the learnt spread is young: only strong leads count
-        lead &= strong
-    if not (long.any() or state.lead.count.any() or state.lead_long.count.any()):
-        return lead, np.zeros(n, dtype=np.int64)
-    fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong, cfg.lead_steps)
-    if cfg.lead_long_steps:
-        more, since_long = _lead_run(frame, state.lead_long, state.long_strong, long, strong,
-                                     cfg.lead_long_steps, cfg.lead_long_alone)  # fmt: skip
-        since = np.where(fired, since, since_long)  # onset: the run that named it
-        fired |= more
-    return fired, since
-
-
-def _lead_run(frame, run_count, strong_count, lead, strong, steps: int, alone: int = 0):
-    """(named, onset back): rows that led ``steps`` steps in a row, one of them strong
-    (the onset: that one), or ``alone`` steps in a row (the onset: the run's first)."""
-    run = np.asarray(run_count.update(frame.rank, lead), dtype=np.int64)
-    was = strong_count.peek(frame.rank) > 0
-    since = np.asarray(strong_count.update(frame.rank, lead & (strong | was)), dtype=np.int64)
-    named = lead & (run >= steps) & (since > 0)
-    if alone:
-        by_run = lead & (run >= alone) & ~named
-        named |= by_run
-        since = np.where(by_run, run, since)
-    return named, since
 
 
 def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:

@@ -42,7 +42,7 @@ from rankscope.detectors.stats.consensus import (
 )
 from rankscope.detectors.stats.peers import PeerIndex
 
-__all__ = ["lead_hits"]
+__all__ = ["lead_hits", "leading"]
 
 
 def _second_largest(idx: PeerIndex, x: np.ndarray) -> np.ndarray:
@@ -102,3 +102,52 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
         lead &= long
         strong &= long
     return strong, lead, long
+
+
+def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
+            ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(named, onset back): rows the fast rule names this step (``lead_steps`` leads in
+    a row, or ``lead_long_steps`` looser ones, one of them strong; or
+    ``lead_long_alone`` looser ones), and per row how many steps back its onset is
+    (the run's first strong lead: a mild lead just before a fault is as often chance).
+    ``state``: the straggler state (its lead counters and streak rates), ``win``: the
+    windowed test's result this step (its per-step z)."""
+    n = frame.n
+    if not (cfg.lead_steps and cfg.window_metric):
+        return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+    step_z = win.step_z if win is not None else None
+    strong, lead, long = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
+                                   step_z)  # fmt: skip
+    if not cfg.lead_long_steps:
+        long = lead
+    judged = state.streaks.rate[(cfg.window_metric, "slow")].steps
+    if long.any() and judged < max(cfg.lead_after, cfg.history_min_steps):
+        # the job's first steps (warm-up, loaders starting) teach only, and a lead is
+        # judged against a learnt spread too young to tell one rank's hiccup from slowness
+        long[:] = lead[:] = strong[:] = False
+    elif long.any() and judged < cfg.lead_mild_after:
+        long &= strong  # the learnt spread is young: only strong leads count
+        lead &= strong
+    if not (long.any() or state.lead.count.any() or state.lead_long.count.any()):
+        return lead, np.zeros(n, dtype=np.int64)
+    fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong, cfg.lead_steps)
+    if cfg.lead_long_steps:
+        more, since_long = _lead_run(frame, state.lead_long, state.long_strong, long, strong,
+                                     cfg.lead_long_steps, cfg.lead_long_alone)  # fmt: skip
+        since = np.where(fired, since, since_long)  # onset: the run that named it
+        fired |= more
+    return fired, since
+
+
+def _lead_run(frame, run_count, strong_count, lead, strong, steps: int, alone: int = 0):
+    """(named, onset back): rows that led ``steps`` steps in a row, one of them strong
+    (the onset: that one), or ``alone`` steps in a row (the onset: the run's first)."""
+    run = np.asarray(run_count.update(frame.rank, lead), dtype=np.int64)
+    was = strong_count.peek(frame.rank) > 0
+    since = np.asarray(strong_count.update(frame.rank, lead & (strong | was)), dtype=np.int64)
+    named = lead & (run >= steps) & (since > 0)
+    if alone:
+        by_run = lead & (run >= alone) & ~named
+        named |= by_run
+        since = np.where(by_run, run, since)
+    return named, since
