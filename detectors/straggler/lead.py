@@ -12,9 +12,10 @@ straggler on a noisy host measures 1.2-1.9x step to step, and two strong
 leads in a row waited for a lucky pair. When every rank reports ``tokens``, a
 long batch's share of compute is allowed for.
 A longer run (``lead_long_steps``) may be of looser leads (``lead_long_*``: a
-smaller lead, a share of the waits, no spread asked), one of them strong: on a
-crowded host a slow rank's compute jitters through the mild margins, and three
-leads in a row by chance are rarer than two mild ones.
+smaller lead, a share of the waits, a smaller z), one of them strong (its
+margins and z; its waits and step share the long run's): on a crowded host a
+slow rank's compute and its peers' waits jitter through the mild margins, and
+three leads in a row by chance are rarer than two mild ones.
 The excess must also be ``lead_step_frac`` of the step (the job pays for it)
 and ``lead_z`` of the group's learnt spread (the windowed test's per-step z): a
 loop whose short compute jitters by a third asks a larger lead than a steady
@@ -61,8 +62,9 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """(strong, mild, long): rows whose metric ``i`` (compute) leads its group this step
     by the strong, at least the mild, or at least the long run's margins (see the
-    module; each tier is inside the next); ``step_z``: this step's z over the group's
-    learnt spread (NaN, or None: not learnt yet, and nothing leads)."""
+    module; mild and strong leads are long ones, a strong one need not be mild);
+    ``step_z``: this step's z over the group's learnt spread (NaN, or None: not learnt
+    yet, and nothing leads)."""
     x, med = c.x[i], c.median[i]
     with np.errstate(invalid="ignore"):
         cand = (c.count[i] >= 3) & (x >= cfg.lead_long_ratio * med)
@@ -91,12 +93,15 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
         peer_comm = frame_consensus(frame, idx, ("comm_s",)).median[0]
         waited = peer_comm - comm
         long &= waited >= cfg.lead_long_wait_frac * (x - med)
-        lead = long & (x >= cfg.lead_mild_ratio * expected) & (excess > floor)
+        far = long  # and the z of a mild or strong lead
+        if cfg.lead_z > 0:
+            far = (long & (step_z >= cfg.lead_z)) if step_z is not None else long & False
+        lead = far & (x >= cfg.lead_mild_ratio * expected) & (excess > floor)
         lead &= x >= cfg.lead_mild_over_peers * runner_up
         lead &= waited >= cfg.lead_wait_frac * (x - med)
-        if cfg.lead_z > 0:
-            lead &= (step_z >= cfg.lead_z) if step_z is not None else False
-        strong = lead & (x >= cfg.lead_ratio * expected) & (x >= cfg.lead_over_peers * runner_up)
+        # strong: the strong margins and the z; the waits and the step share are the
+        # long run's (the two-step rule asks its strong lead to be a mild one too)
+        strong = far & (x >= cfg.lead_ratio * expected) & (x >= cfg.lead_over_peers * runner_up)
     if long.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
         long &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
         lead &= long

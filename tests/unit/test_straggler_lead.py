@@ -173,3 +173,22 @@ def test_four_looser_leads_in_a_row_name_a_mild_straggler_with_no_strong_one():
     assert sooner >= 2, sooner
     with pytest.raises(ValueError):
         S.StragglerConfig(lead_long_alone=3)  # no shorter than the long run with a strong lead
+
+
+def test_a_strong_lead_with_faint_waits_starts_a_long_run():
+    """A 1.5x rank of four whose peers, on its first slow step, show only 0.35 of its
+    excess as waits (a long step's noisy comm hides the rest), then leads by 1.2x: the
+    long run counts that first step as its strong lead (the long run's waits) and
+    names the rank at its third step; the two-step rule would wait for two more."""
+    at_third = 0
+    for seed in range(8):
+        fs = frames(60, np.random.default_rng(seed), slow=3, jitter=0.06, world=4,
+                    first=(1.5, 1.2, 1.2))  # fmt: skip
+        x = fs[30].m["compute_s"]
+        comm = np.full(4, 0.01)
+        comm[:3] += 0.35 * (x[3] - np.median(x))  # the peers waited 0.35 of its excess
+        fs[30].m["comm_s"] = comm
+        outs, _ = run(S, fs)
+        assert {r for _, r in named(outs)} == {3}
+        at_third += named(outs)[0][0] == 32
+    assert at_third >= 7, at_third
