@@ -45,9 +45,8 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
     # summing to no excess) ends it: what came before is another, earlier episode
     k = BASELINE_STRETCH
     if z.shape[1] >= k:
-        csum = np.concatenate([np.zeros((z.shape[0], 1)), np.cumsum(z, axis=1)], axis=1)
-        flat = (csum[:, k:] - csum[:, :-k] <= 0.0) & (seen[:, k - 1:] - np.concatenate(
-            [np.zeros((z.shape[0], 1), dtype=seen.dtype), seen[:, :-k]], axis=1) == k)
+        # per start j: the sum of readings j..j+k-1, and whether all k are present
+        flat = (_stretch_sums(z, k) <= 0.0) & (_stretch_sums(ok.astype(float), k) == k)
         for i in range(back.size):
             inside = np.flatnonzero(flat[i, : max(back[i] - k + 1, 0)])
             if inside.size and inside[0] >= 1:
@@ -66,6 +65,12 @@ def change_point_back(z: np.ndarray, ok: np.ndarray, keep: np.ndarray | None = N
                 break
             back[i] -= 1
     return back
+
+
+def _stretch_sums(a: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the sums of every ``k`` consecutive columns (one per start column)."""
+    c = np.concatenate([np.zeros((a.shape[0], 1)), np.cumsum(a, axis=1)], axis=1)
+    return c[:, k:] - c[:, :-k]
 
 
 @dataclass(slots=True)

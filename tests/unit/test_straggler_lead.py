@@ -14,8 +14,8 @@ def frames(steps, rng, slow=None, factor=1.5, onset=30, waits=True, hiccups=0.0,
            base_comm=0.01, first=None, world=8):  # fmt: skip
     """``world`` (8) data-parallel ranks, fixed-size batches with ``jitter`` (log sd);
     with ``waits`` every rank waits in the all-reduce for the slowest (comm_s = slowest
-    - own + base);
-    ``first``: the slow rank's factor on the onset step alone (a tuple: on its first steps)."""
+    - own + base); ``first``: the slow rank's factor on the onset step alone (a tuple:
+    on its first steps)."""
     lay = layout(world)
     out = []
     for step in range(steps):
@@ -137,21 +137,28 @@ def test_a_young_job_names_no_one_on_its_lead():
         S.StragglerConfig(lead_after=20)  # after the mild leads
 
 
+def _named_sooner(runs, without, earliest) -> int:
+    """Over ``runs`` (rank 3 slow): only rank 3 is named, never before ``earliest`` nor
+    later than under the config ``without``; how many runs named it sooner."""
+    sooner = 0
+    for fs in runs:
+        outs, _ = run(S, fs)
+        before, _ = run(S, fs, without)
+        assert {r for _, r in named(outs)} == {3}
+        first, old = named(outs)[0][0], named(before)[0][0]
+        assert earliest <= first <= old
+        sooner += first < old
+    return sooner
+
+
 def test_three_looser_leads_in_a_row_one_strong_name_a_rank_sooner():
     """A straggler whose first two steps lead by only 1.15x (under the mild margin, as
     a 1.5x rank's compute often does on a crowded host), then by 1.45x: the two-step
     rule waits for a second strong or mild lead; the long run names it at its third
     step where its leads held, never later, and names no one else."""
-    sooner = 0
-    for seed in range(10):
-        fs = frames(60, np.random.default_rng(seed), slow=3, jitter=0.06, first=(1.15, 1.15, 1.45))
-        outs, _ = run(S, fs)
-        short, _ = run(S, fs, S.StragglerConfig(lead_long_steps=0))
-        assert {r for _, r in named(outs)} == {3}
-        first, before = named(outs)[0][0], named(short)[0][0]
-        assert 32 <= first <= before
-        sooner += first < before
-    assert sooner >= 2, sooner
+    runs = [frames(60, np.random.default_rng(seed), slow=3, jitter=0.06,
+                   first=(1.15, 1.15, 1.45)) for seed in range(10)]  # fmt: skip
+    assert _named_sooner(runs, S.StragglerConfig(lead_long_steps=0), earliest=32) >= 2
     with pytest.raises(ValueError):
         S.StragglerConfig(lead_long_ratio=1.25)  # looser than the mild lead, not tighter
 
@@ -161,16 +168,9 @@ def test_four_looser_leads_in_a_row_name_a_mild_straggler_with_no_strong_one():
     two-step rule nor the three-step long run (each asks one strong lead) names it;
     four looser leads in a row do, sooner than the windowed and streak rules in some
     runs, never later, and name no one else."""
-    sooner = 0
-    for seed in range(8):
-        fs = frames(60, np.random.default_rng(seed), slow=3, jitter=0.1, factor=1.15, world=4)
-        outs, _ = run(S, fs)
-        before, _ = run(S, fs, S.StragglerConfig(lead_long_alone=0))
-        assert {r for _, r in named(outs)} == {3}
-        first, old = named(outs)[0][0], named(before)[0][0]
-        assert 30 <= first <= old
-        sooner += first < old
-    assert sooner >= 2, sooner
+    runs = [frames(60, np.random.default_rng(seed), slow=3, jitter=0.1, factor=1.15, world=4)
+            for seed in range(8)]  # fmt: skip
+    assert _named_sooner(runs, S.StragglerConfig(lead_long_alone=0), earliest=30) >= 2
     with pytest.raises(ValueError):
         S.StragglerConfig(lead_long_alone=3)  # no shorter than the long run with a strong lead
 
