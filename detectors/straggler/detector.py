@@ -27,6 +27,7 @@ from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.lead import leading
+from rankscope.detectors.straggler.lead_chance import LeadChance
 from rankscope.detectors.straggler.pair import pair_named
 from rankscope.detectors.straggler.pair_gap import PairGap, pair_gap_hits, pair_gap_signal
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
@@ -71,6 +72,8 @@ class StragglerConfig(ConsensusConfig):
     lead_long_wait_frac: float = 0.2  # this share of its excess waited by its peers,
     lead_long_step_frac: float = 0.07  # this share of the job's step,
     lead_long_z: float = 1.3  # and this many learnt spreads (at most lead_z's)
+    lead_chance_quiet: int = 6  # a naming this short, then as long unnamed, was chance...
+    lead_chance_cap: int = 2  # ...and each asks one more lead of every run, up to this
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
 
@@ -95,6 +98,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("lead_z must be >= 0")
         if self.lead_long_alone and self.lead_long_alone <= self.lead_long_steps:
             raise ValueError("lead_long_alone must be 0 or more than lead_long_steps")
+        if self.lead_chance_quiet < 1 or self.lead_chance_cap < 0:
+            raise ValueError("lead_chance_quiet must be >= 1 and lead_chance_cap >= 0")
         if not (0 <= self.lead_long_steps and 1.0 <= self.lead_long_ratio <= self.lead_mild_ratio
                 and 1.0 <= self.lead_long_over_peers <= self.lead_mild_over_peers
                 and 0.0 <= self.lead_long_wait_frac <= self.lead_wait_frac
@@ -113,11 +118,11 @@ class StragglerState(PartsState):
     """Peer index cache, per-rank clean history, slow streaks, windows and token model."""
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
-                 "lead", "lead_strong", "lead_long", "long_strong", "pair_named",
+                 "lead", "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
                  "named_rate", "suspect", "pair_gap")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
-             "lead_strong", "lead_long", "long_strong", "pair_named", "named_rate",
-             "pair_gap")  # fmt: skip
+             "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
+             "named_rate", "pair_gap")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -131,6 +136,7 @@ class StragglerState(PartsState):
         self.lead_strong = StreakCounter()  # of those, the steps since the run's 1st strong one
         self.lead_long = StreakCounter()  # the same for the looser leads of a longer run
         self.long_strong = StreakCounter()
+        self.lead_chance = LeadChance()  # its namings that came to nothing (lead_chance.py)
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)

@@ -113,7 +113,8 @@ def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
             ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(named, onset back): rows the fast rule names this step (``lead_steps`` leads in
     a row, or ``lead_long_steps`` looser ones, one of them strong; or
-    ``lead_long_alone`` looser ones), and per row how many steps back its onset is
+    ``lead_long_alone`` looser ones; each a step longer per naming of this job that came
+    to nothing, ``lead_chance.py``), and per row how many steps back its onset is
     (the run's first strong lead: a mild lead just before a fault is as often chance).
     ``state``: the straggler state (its lead counters and streak rates), ``win``: the
     windowed test's result this step (its per-step z)."""
@@ -134,13 +135,18 @@ def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
         long &= strong  # the learnt spread is young: only strong leads count
         lead &= strong
     if not (long.any() or state.lead.count.any() or state.lead_long.count.any()):
+        state.lead_chance.update(frame.rank, lead & False, cfg.lead_chance_quiet)
         return lead, np.zeros(n, dtype=np.int64)
-    fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong, cfg.lead_steps)
+    extra = state.lead_chance.extra(cfg.lead_chance_cap)  # this job's chance namings
+    fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong,
+                             cfg.lead_steps + extra)  # fmt: skip
     if cfg.lead_long_steps:
+        alone = cfg.lead_long_alone + extra if cfg.lead_long_alone else 0
         more, since_long = _lead_run(frame, state.lead_long, state.long_strong, long, strong,
-                                     cfg.lead_long_steps, cfg.lead_long_alone)  # fmt: skip
+                                     cfg.lead_long_steps + extra, alone)  # fmt: skip
         since = np.where(fired, since, since_long)  # onset: the run that named it
         fired |= more
+    state.lead_chance.update(frame.rank, fired, cfg.lead_chance_quiet)
     return fired, since
 
 
