@@ -10,8 +10,10 @@ new incident (and a new finding), except a slowness signal on the same ranks
 whose onset is within ``reopen_gap_steps`` of its end: that reopens it
 (hysteresis through a mild fault's quiet steps). A ``degraded`` slowness incident (too mild
 to act on, ``policy.degraded``) is kept after it goes quiet: a later mild
-signal on the same ranks reopens it, so a rank persistently a little slow is
-ONE observe finding, not a string of them.
+signal on the same ranks reopens it while the incident was signalled on at
+least ``DORMANT_SHARE`` of its steps, so a rank persistently a little slow is
+ONE observe finding, not a string of them, and a chance episode long before a
+fault is not the fault's onset.
 
 Onset: detectors that need persistence report on the confirming step and
 say how long the streak is (``evidence["streak_steps"]``) or name the onset
@@ -126,6 +128,11 @@ UNATTRIBUTED_TRANSIENT_SIGNALS = 2
 LONE_WAIT_SIGNALS = 2
 """A network incident of lone-wait signals only is reported from its second."""
 
+DORMANT_SHARE = 0.125
+"""A quiet degraded incident is reopened by a later mild signal while its signals
+number at least this share of the steps since its onset: a rank persistently a
+little slow is named often; two chance episodes far apart are two findings."""
+
 CLOSED_KEPT_STEPS = 64
 """A closed incident is kept this many steps: a later signal whose onset (streak or
 window) falls inside it reopens it instead of opening a second finding."""
@@ -171,10 +178,15 @@ class IncidentTracker:
             slow = _slowdown(sig)
             gap = self.reopen_gap_steps if sig.kind in SLOWNESS_KINDS else self.merge_gap_steps
             dormant = self._degraded.get((sig.kind, tuple(sorted(ranks))))
-            # the same mild slowness again, or any slowness whose onset says the mild one
-            # never ended (a 1.25x fault reads 1.2x, then 1.4x): the same finding
-            if dormant is not None and (slow is None or degraded(self.policy, sig.kind, slow)
-                                        or _onset(sig, step) <= dormant.last_step + gap):
+            # the same mild slowness again, if it was seen often enough to be one (a
+            # persistently mild rank is signalled a good share of its steps; a chance
+            # episode 150 steps before a fault is not its onset), or any slowness whose
+            # onset says the mild one never ended (a 1.25x fault reads 1.2x, then 1.4x)
+            if dormant is not None and (
+                ((slow is None or degraded(self.policy, sig.kind, slow))
+                 and dormant.signals >= DORMANT_SHARE * (step - dormant.first_step + 1))
+                or _onset(sig, step) <= dormant.last_step + gap
+            ):  # fmt: skip
                 del self._degraded[(sig.kind, tuple(sorted(ranks)))]
                 self._open.append(dormant)
                 return dormant

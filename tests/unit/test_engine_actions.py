@@ -40,6 +40,19 @@ def test_a_persistently_mild_rank_is_one_degraded_observe_finding():
     assert f.first_step == 39 and f.last_step == 369  # onset of the first burst (streak 2)
 
 
+def test_a_chance_mild_episode_long_before_a_fault_is_not_its_onset():
+    """bench f600, fault-straggler1.25-amp-0016: rank 2 read 1.07-1.19x for 3 steps at
+    step 145 by chance, then a 1.25x fault from step 300 read 1.1-1.2x: two findings,
+    the fault's own from its onset (one degraded finding from 144 before)."""
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    fs = _feed(tr, 400, lambda s: 145 <= s < 148 or s >= 310, lambda s: 1.0 + 0.01 * (s % 3),
+               lambda: _slow(rank=2, ratio=1.15))  # fmt: skip
+    chance, fault = fs
+    assert chance.first_step == 144 and chance.last_step == 147
+    assert fault.first_step == 309 and fault.last_step == 399
+    assert fault.evidence["degraded"] is True and fault.action == "observe"
+
+
 def test_a_strong_slowdown_the_job_pays_for_evicts_once_persistent():
     tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
     fs = _feed(tr, 60, lambda s: s >= 30, lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3),
