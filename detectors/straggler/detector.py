@@ -252,7 +252,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
     if gap is not None and gap.hit.any():  # the partner's speed-up is what this rule reads
         said = {s.ranks[0] for s in out.signals}
-        for row in np.flatnonzero(gap.hit & ~victims):
+        # of two pipeline partners both trailing their replicas, the one that trails by
+        # more is the cause: the other's gap is the echo of its late activations
+        echo = pipeline_victims(frame, gap.hit[None, :], np.nan_to_num(gap.ratio),
+                                np.zeros(frame.n, dtype=np.int64))  # fmt: skip
+        for row in np.flatnonzero(gap.hit & ~victims & ~echo):
             if int(frame.rank[row]) not in said:
                 out.signals.append(pair_gap_signal(frame, xw, int(row), gap, state, cfg))
     pair_any = pair.any(axis=0)

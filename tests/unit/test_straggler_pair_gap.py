@@ -232,3 +232,21 @@ def test_a_stage_partner_waited_for_its_upstream_stage_not_for_the_other():
         f.collectives = []
     bare, _ = run(S, fs)
     assert (2,) in {s.ranks for _, s in named(bare)}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_echo_in_a_stragglers_pipeline_partner_is_not_named(seed):
+    """bench f600, fault-straggler1.5-pp-0018: rank 1 (stage 0) 1.5x from step 300, and
+    its pipeline partner rank 3 (stage 1, fed its activations late) trailed its own
+    replica by 1.27x over 16 steps, z 10.9, four times in 300 steps. Of two pipeline
+    partners that both trail their replicas, the one that trails by more is the cause."""
+    lay = layout(2, 1, 2)  # stage 0: ranks 0, 1; stage 1: 2, 3; pipelines {0, 2}, {1, 3}
+    rng = np.random.default_rng(seed)
+    fs = []
+    for step in range(60):
+        compute = np.where(lay["pp"] == 0, 0.08, 0.10) * np.exp(0.12 * rng.standard_normal(4))
+        if step >= 20:
+            compute *= np.array([0.9, 1.5, 0.95, 1.2])  # the straggler, then its echo
+        fs.append(replica_pair_frame(lay, step, compute, rng, True))
+    outs, _ = run(S, fs)
+    assert {s.ranks for _, s in named(outs)} == {(1,)}
