@@ -253,9 +253,12 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     # not account for explains that as well as a late arrival does
     no_t0 = ~np.isfinite(w.lateness) if w.lateness.shape[0] == n else np.ones(n, dtype=bool)
     own_excess = np.where(no_t0, np.maximum(own_excess, gap_excess), own_excess)
-    root = (w.awaited_s > floor) & (w.waited_s < cfg.victim_frac * w.awaited_s)
-    root &= ~(own_excess >= cfg.compute_explains_frac * w.awaited_s)
+    explained = own_excess >= cfg.compute_explains_frac * w.awaited_s
+    root = (w.awaited_s > floor) & (w.waited_s < cfg.victim_frac * w.awaited_s) & ~explained
     if late.any():
+        # a late arrival its own work explains is a straggler's, counted last or windowed
+        # (a long straggler's small unexplained remainder adds up in the window)
+        late &= held | ~explained
         root |= late
         rule[late_win & (rule == "")] = "late_arrival_window"
         rule[late & (rule == "")] = "persistent_last_arrival"

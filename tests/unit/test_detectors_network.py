@@ -240,6 +240,32 @@ def test_habitually_late_rank_and_compute_straggler_are_not_network_faults():
     assert not blamed(outs)  # late because of its own compute: the straggler detector's
 
 
+def test_a_long_straggler_a_little_later_than_its_compute_is_not_a_network_fault():
+    """bench f600/f600b: a 1.5x straggler arrived 13 ms late for 12.6 ms more compute,
+    its injected sleep partly outside the timed compute. Each step its compute explains
+    its lateness; the late window summed the small remainder over 30 steps and named it
+    a network fault, then evicted it. Here: 1.5x compute plus a 10 ms later start."""
+    lay = layout(8)
+    for seed in (1, 2):
+        rng = np.random.default_rng(seed)
+        frames = []
+        for step in range(300):
+            compute = 0.1 * rng.uniform(0.6, 1.4, 8)
+            start = 1.7e9 + step + rng.exponential(0.004, 8)
+            if step >= 40:
+                compute[5] *= 1.5
+                start[5] += 0.010
+            t0 = start + compute
+            done = t0.max() + 0.002
+            colls = [[{"op": "allreduce", "group": "dp", "seq": step, "t0": float(t0[r]),
+                       "s": float(done - t0[r])}] for r in range(8)]  # fmt: skip
+            m = {"compute_s": compute, "comm_s": done - t0, "data_s": np.full(8, 0.0005)}
+            m["step_s"] = done - start + 0.0005
+            frames.append(make_frame(lay, step, m, collectives=colls))
+        outs, _ = run(network, frames)
+        assert len(blamed(outs)) <= 3, blamed(outs)[:5]  # was named 219-228 steps
+
+
 def start_and_end_steps(steps, rng, quick=None, delayed=None, onset=40, world=8, slow=None,
                         drift=None):
     """Two all-reduces a step: a small one at its start (a GradScaler's or loss check)
