@@ -135,7 +135,7 @@ def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
         long &= strong  # the learnt spread is young: only strong leads count
         lead &= strong
     if not (long.any() or state.lead.count.any() or state.lead_long.count.any()):
-        state.lead_chance.update(frame.rank, lead & False, cfg.lead_chance_quiet)
+        state.lead_chance.update(frame.rank, np.zeros(n, dtype=bool), cfg.lead_chance_quiet)
         return lead, np.zeros(n, dtype=np.int64)
     extra = state.lead_chance.extra(cfg.lead_chance_cap)  # this job's chance namings
     fired, since = _lead_run(frame, state.lead, state.lead_strong, lead, strong,

@@ -14,20 +14,20 @@ Design notes: docs/detectors.md, "detectors/straggler/lead_chance.py".
 from __future__ import annotations
 
 import numpy as np
-from rankscope.detectors.stats.persistence import usable_ranks
+from rankscope.detectors.stats.persistence import StreakCounter
 
 __all__ = ["LeadChance"]
 
 
 class LeadChance:
-    """Per rank, the steps of its current naming and since its last one ended; per job,
-    how many namings came to nothing."""
+    """Per rank, the steps of its current naming and since its last short one ended
+    (two streak counters); per job, how many namings came to nothing."""
 
     __slots__ = ("named", "since", "count")
 
     def __init__(self) -> None:
-        self.named = np.zeros(0, dtype=np.int64)  # steps named in the current episode
-        self.since = np.zeros(0, dtype=np.int64)  # steps since a short episode ended (0: none)
+        self.named = StreakCounter()  # steps named in the current episode
+        self.since = StreakCounter()  # steps since a short episode ended (0: none)
         self.count = 0  # namings that came to nothing, this job
 
     def extra(self, cap: int) -> int:
@@ -35,40 +35,27 @@ class LeadChance:
         return min(self.count, max(int(cap), 0))
 
     def busy(self) -> bool:
-        return bool(self.named.any() or self.since.any())
+        """A naming under way or a short one not yet quiet long enough."""
+        return bool(self.named.count.any() or self.since.count.any())
 
     def update(self, ranks: np.ndarray, named: np.ndarray, quiet: int) -> None:
         """Advance by one step: ``named``, the rows the rule names this step."""
-        ok = usable_ranks(ranks)
-        if not ok.all():
-            ranks, named = ranks[ok], named[ok]
-        if ranks.size == 0 or not (named.any() or self.busy()):
+        if not (named.any() or self.busy()):
             return
-        top = int(ranks.max()) + 1
-        if self.named.shape[0] < top:
-            size = max(top, 2 * self.named.shape[0])
-            self.named = np.pad(self.named, (0, size - self.named.shape[0]))
-            self.since = np.pad(self.since, (0, size - self.since.shape[0]))
-        was = self.named[ranks]
-        ended = ~named & (was > 0)
-        short = ended & (was <= quiet)
-        self.named[ranks] = np.where(named, was + 1, 0)
-        since = self.since[ranks]
-        since = np.where(named, 0, np.where(short, 1, np.where(since > 0, since + 1, 0)))
+        was = self.named.peek(ranks)
+        self.named.update(ranks, named)
+        short = ~named & (was > 0) & (was <= quiet)  # a short episode ended this step
+        since = self.since.update(ranks, ~named & (short | (self.since.peek(ranks) > 0)))
         done = since >= quiet  # quiet as long as it was allowed to last: chance
-        self.count += int(np.count_nonzero(done))
-        self.since[ranks] = np.where(done, 0, since)
+        if done.any():
+            self.count += int(np.count_nonzero(done))
+            self.since.update(ranks[done], np.zeros(int(done.sum()), dtype=bool))
 
     def state_dict(self) -> dict:
-        live = np.flatnonzero(self.named | self.since)
-        return {"count": self.count, "ranks": live.tolist(),
-                "named": self.named[live].tolist(), "since": self.since[live].tolist()}  # fmt: skip
+        return {"count": self.count, "named": self.named.state_dict(),
+                "since": self.since.state_dict()}  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
-        ranks = np.asarray(d.get("ranks", []), dtype=np.int64)
-        size = int(ranks.max()) + 1 if ranks.size else 0
-        self.named = np.zeros(size, dtype=np.int64)
-        self.since = np.zeros(size, dtype=np.int64)
-        self.named[ranks] = np.asarray(d.get("named", []), dtype=np.int64)
-        self.since[ranks] = np.asarray(d.get("since", []), dtype=np.int64)
+        self.named.load_state_dict(d.get("named", {}))
+        self.since.load_state_dict(d.get("since", {}))
         self.count = int(d.get("count", 0))
