@@ -172,7 +172,8 @@ class RankCollector:
 
     def _install(self, model, optimizer, is_ddp: bool, comm_hook, comm_state) -> None:
         st = self.state
-        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre))
+        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre,
+                                                                 with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._on_forward_post))
         ddp_model = getattr(model, "_orig_mod", model)  # under a torch.compile wrapper
         if is_ddp:
@@ -327,7 +328,7 @@ class RankCollector:
 
     # ------------------------------------------------------------------ hooks
 
-    def _on_forward_pre(self, module, args) -> None:
+    def _on_forward_pre(self, module, args, kwargs) -> None:
         t0 = time.perf_counter()
         try:
             st = self.state
@@ -341,7 +342,7 @@ class RankCollector:
                 if self._timing is not None:
                     self._timing.step_begin()
             if not self._tokens_reported:
-                count_tokens(st, args)
+                count_tokens(st, args, kwargs)
             st.phase = "forward"
         except Exception as exc:
             self._faults.hit("forward pre-hook", exc)

@@ -74,8 +74,20 @@ class Guarded:
             raise
 
 
-def count_tokens(st: StepState, args: tuple) -> None:
-    """Add the element count of forward's first integer tensor argument (token ids).
+# keyword inputs that are integer tensors but not the step's token ids
+_NOT_TOKENS = ("label", "target", "mask", "position", "type_ids")
+
+
+def _is_ids(a: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex()
+            and a.dtype != torch.bool)  # fmt: skip
+
+
+def count_tokens(st: StepState, args: tuple, kwargs: dict | None = None) -> None:
+    """Add the element count of forward's token ids: its first tensor argument when
+    that is an integer one, else (``model(**batch)``, the Hugging Face style) the
+    ``input_ids`` keyword or the first integer keyword tensor that is no label, mask
+    or position.
 
     Work per step scales with tokens, so detectors can compare compute time per
     token across ranks whose batches have different sequence lengths. Models fed
@@ -83,6 +95,14 @@ def count_tokens(st: StepState, args: tuple) -> None:
     """
     for a in args:
         if isinstance(a, torch.Tensor):
-            if not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool:
+            if _is_ids(a):
                 st.tokens = (st.tokens or 0) + a.numel()
             return
+    if not kwargs:
+        return
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = next((v for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+                    and not any(w in k for w in _NOT_TOKENS)), None)  # fmt: skip
+    if _is_ids(ids):
+        st.tokens = (st.tokens or 0) + ids.numel()

@@ -405,3 +405,41 @@ def test_tokens_counted_from_integer_inputs_or_reported_and_huge_norms_stay_fini
     steps = [r for r in iter_channel(q) if r["type"] == "step"]
     assert [r["tokens"] for r in steps] == [6, 1000, 9]
     assert steps[2]["grad_norm"] == pytest.approx(1e30, rel=1e-6)
+
+
+class _KeywordModel(torch.nn.Module):
+    """Called the Hugging Face way, ``model(**batch)``: ids, a mask and labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(16, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, pixel_values=None):
+        if pixel_values is not None:
+            return {"loss": self.head(pixel_values).sum()}
+        h = (self.emb(input_ids) * attention_mask[..., None]).mean(1)
+        return {"loss": torch.nn.functional.cross_entropy(self.head(h), labels)}
+
+
+def test_tokens_counted_from_keyword_ids_not_from_masks_labels_or_float_inputs():
+    q = _collect("units-kwtokens")
+    model = _KeywordModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rc = RankCollector.attach(model, opt, job="t", sink="embedded://units-kwtokens", rank=0,
+                              world=1)  # fmt: skip
+    ids = [torch.ones(2, 7, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)]
+    batches = [  # dynamic padding: each batch as long as its longest sequence
+        {"input_ids": ids[0], "labels": torch.zeros(2, dtype=torch.long),
+         "attention_mask": torch.ones_like(ids[0])},
+        {"labels": torch.zeros(4, dtype=torch.long), "attention_mask": torch.ones_like(ids[1]),
+         "input_ids": ids[1]},
+        {"pixel_values": torch.ones(2, 4)},  # a float input: no token count
+    ]  # fmt: skip
+    for batch in batches:
+        opt.zero_grad()
+        model(**batch)["loss"].backward()
+        opt.step()
+    rc.close()
+    unregister_channel("units-kwtokens")
+    steps = [r for r in iter_channel(q) if r["type"] == "step"]
+    assert [r.get("tokens") for r in steps] == [14, 12, None]
