@@ -8,7 +8,8 @@ behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
 ``amp``: the AMP recipe on the nanoGPT model: ``autocast`` (float16 on even
 seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
 The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``, the pipelined one in
-``fa_pipeline.py``.
+``fa_pipeline.py``, the Trainer-shaped one with variable-length batches in
+``fa_varlen.py``.
 
 Every loop has ``wrap()`` (the module the collector attaches to; the
 optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from fa_pipeline import LOOPS as PIPELINE
 from fa_sharded import LOOPS as SHARDED
+from fa_varlen import LOOPS as VARLEN
 from torch import nn
 
 __all__ = ["LOOPS", "build_loop"]
@@ -263,7 +265,7 @@ class NanoGPTMasterLoop(NanoGPTLoop):
 
 
 LOOPS = {"nanogpt": NanoGPTLoop, "nanogpt_master": NanoGPTMasterLoop, "tutorial": TutorialLoop,
-         **SHARDED, "amp": AMPLoop, **PIPELINE}  # fmt: skip
+         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN}  # fmt: skip
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):

@@ -4,7 +4,8 @@ One spawn of 4 real gloo ranks records four short runs the way
 ``bench/bench_false_alarms.py --record`` does: an FSDP2 run and a tensor-
 parallel run, each with a NaN injected on rank 1 (under tp the NaN reaches its
 tp partner's gradients in the same step, but only rank 1's loss), a clean AMP
-run and a clean pp 2 x dp 2 run; then ``score_corpus`` replays them through the
+run, a clean pp 2 x dp 2 run and a clean Trainer-shaped run of variable-length
+batches called with keywords (``model(**batch)``); then ``score_corpus`` replays them through the
 detectors.
 """
 
@@ -47,6 +48,8 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
          "fault": nan},
         {"name": "clean-amp-0002", "style": "amp", "seed": 2, "steps": STEPS, "fault": None},
         {"name": "clean-pp-0003", "style": "pp", "seed": 3, "steps": STEPS, "fault": None},
+        {"name": "clean-varlen-0004", "style": "varlen", "seed": 4, "steps": STEPS,
+         "fault": None},
     ]  # fmt: skip
     record_batch(runs, tmp_path)
 
@@ -72,8 +75,14 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
     assert [pp[r].get("loss") is not None for r in range(4)] == [False, False, True, True]
     assert {c["group"] for c in pp[0]["collectives"]} == {"pp", "dp_replicate"}
 
+    varlen = _steps(tmp_path / "clean-varlen-0004")
+    tokens = [[varlen[s][r]["tokens"] for r in range(4)] for s in range(STEPS)]
+    # the token ids came in as keywords; each batch padded to its own longest sequence
+    assert all(t > 0 and t % 8 == 0 for row in tokens for t in row), tokens
+    assert sum(len(set(row)) > 1 for row in tokens) >= STEPS // 2, tokens
+
     s = score_corpus(tmp_path)
-    assert s["clean_runs"] == {"amp": 1, "pp": 1} and s["bad"] == 0
+    assert s["clean_runs"] == {"amp": 1, "pp": 1, "varlen": 1} and s["bad"] == 0
     assert not [k for k in s["clean"] if k[0] in ("evict", "recover")], s["details"]
     hit = s["faults"][("nonfinite", "fsdp2")]
     assert hit["runs"] == 1 and hit["found"] == 1 and hit["lat"] == [0], s["details"]
