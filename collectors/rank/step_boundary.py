@@ -9,6 +9,7 @@ it into a record on the sender thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -83,26 +84,40 @@ def _is_ids(a: Any) -> bool:
             and a.dtype != torch.bool)  # fmt: skip
 
 
-def count_tokens(st: StepState, args: tuple, kwargs: dict | None = None) -> None:
+def _keyword_ids(kw: Mapping) -> Any:
+    ids = kw.get("input_ids")
+    if ids is None:
+        ids = next((v for k, v in kw.items() if isinstance(v, torch.Tensor)
+                    and not any(w in str(k) for w in _NOT_TOKENS)), None)  # fmt: skip
+    return ids
+
+
+def _token_ids(args, kwargs: Mapping | None, nested: bool = False) -> Any:
+    """The tensor that holds forward's token ids, if any (see ``count_tokens``)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        found = None
+        if not nested and isinstance(a, Mapping):
+            found = _keyword_ids(a)
+        elif not nested and isinstance(a, (list, tuple)):
+            found = _token_ids(a, None, nested=True)
+        if found is not None:
+            return found
+    return _keyword_ids(kwargs) if kwargs else None
+
+
+def count_tokens(st: StepState, args: tuple, kwargs: Mapping | None = None) -> None:
     """Add the element count of forward's token ids: its first tensor argument when
-    that is an integer one, else (``model(**batch)``, the Hugging Face style) the
-    ``input_ids`` keyword or the first integer keyword tensor that is no label, mask
-    or position.
+    that is an integer one (looking one level into a batch passed as a dict, list or
+    tuple, as Lightning's ``training_step(batch)`` gets it), else (``model(**batch)``,
+    the Hugging Face style) the ``input_ids`` keyword or the first integer keyword
+    tensor that is no label, mask or position.
 
     Work per step scales with tokens, so detectors can compare compute time per
     token across ranks whose batches have different sequence lengths. Models fed
     float tensors report nothing here (``rc.tokens(n)`` does it explicitly).
     """
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if _is_ids(a):
-                st.tokens = (st.tokens or 0) + a.numel()
-            return
-    if not kwargs:
-        return
-    ids = kwargs.get("input_ids")
-    if ids is None:
-        ids = next((v for k, v in kwargs.items() if isinstance(v, torch.Tensor)
-                    and not any(w in k for w in _NOT_TOKENS)), None)  # fmt: skip
+    ids = _token_ids(args, kwargs)
     if _is_ids(ids):
         st.tokens = (st.tokens or 0) + ids.numel()

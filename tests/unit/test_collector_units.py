@@ -443,3 +443,35 @@ def test_tokens_counted_from_keyword_ids_not_from_masks_labels_or_float_inputs()
     unregister_channel("units-kwtokens")
     steps = [r for r in iter_channel(q) if r["type"] == "step"]
     assert [r.get("tokens") for r in steps] == [14, 12, None]
+
+
+class _BatchModel(torch.nn.Module):
+    """Lightning's shape: the whole batch (a dict or a tuple) and its index, by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, batch, batch_idx):
+        items = batch.values() if isinstance(batch, dict) else batch
+        return self.emb(next(t for t in items if t.dtype == torch.long and t.dim() == 2)).sum()
+
+
+def test_tokens_counted_inside_a_batch_passed_by_position():
+    q = _collect("units-batchtokens")
+    model = _BatchModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rc = RankCollector.attach(model, opt, job="t", sink="embedded://units-batchtokens", rank=0,
+                              world=1)  # fmt: skip
+    long = torch.ones(3, 5, dtype=torch.long)
+    batches = [{"attention_mask": torch.ones_like(long), "input_ids": long},
+               (torch.ones(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)),
+               [torch.ones(2, 4), torch.ones(2, 4, dtype=torch.long)]]  # fmt: skip
+    for i, batch in enumerate(batches):  # the last: float features first, no tokens
+        opt.zero_grad()
+        model(batch, i).backward()
+        opt.step()
+    rc.close()
+    unregister_channel("units-batchtokens")
+    steps = [r for r in iter_channel(q) if r["type"] == "step"]
+    assert [r.get("tokens") for r in steps] == [15, 8, None]
