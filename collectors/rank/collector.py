@@ -31,7 +31,7 @@ from rankscope.collectors.rank.step_boundary import Guarded, count_tokens, pendi
 from rankscope.collectors.rank.step_record import build_step_record
 from rankscope.collectors.rank.step_state import StepState
 from rankscope.collectors.rank.topology import Identity, resolve_identity
-from rankscope.collectors.rank.wrappers import LoopShape, inspect_model
+from rankscope.collectors.rank.wrappers import LoopShape, hookable_optimizer, inspect_model
 from rankscope.collectors.sinks.factory import make_sink
 from rankscope.collectors.sinks.sender import Sender, SenderStats
 
@@ -125,6 +125,11 @@ class RankCollector:
         }
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
+        if optimizer is not None:
+            try:
+                optimizer = hookable_optimizer(optimizer)
+            except ValueError as exc:
+                raise ValueError(f"RankCollector.attach: {exc}") from None
         params = list(model.parameters())
         shape = inspect_model(model, params)
         try:

@@ -19,7 +19,7 @@ import torch
 from rankscope.collectors.rank.dtensor import ReplicaLayout, is_dtensor, replica_layout
 from rankscope.collectors.rank.fsdp import FsdpGroups, find_fsdp
 
-__all__ = ["LoopShape", "inspect_model"]
+__all__ = ["LoopShape", "hookable_optimizer", "inspect_model"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -30,6 +30,32 @@ _UNKNOWN = {
     "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel); use fully_shard (FSDP2)",
     "DeepSpeedEngine": "DeepSpeed",
 }
+
+
+# attributes through which optimizer wrappers hold the torch optimizer they step:
+# Accelerate's AcceleratedOptimizer (``.optimizer``), Lightning's LightningOptimizer
+# (``._optimizer``)
+_INNER_OPTIMIZER = ("optimizer", "_optimizer")
+
+
+def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer whose step hooks run: ``optimizer`` itself, or the one a
+    wrapper holds (a wrapper built without ``Optimizer.__init__`` has no hooks of its
+    own, and under gradient accumulation steps its inner optimizer only on real
+    updates, which is the step boundary wanted). ``ValueError`` when there is none."""
+    found = optimizer
+    for _ in range(4):
+        if isinstance(found, torch.optim.Optimizer) and hasattr(found, "_optimizer_step_pre_hooks"):
+            return found
+        inner = next((getattr(found, a) for a in _INNER_OPTIMIZER
+                      if getattr(found, a, None) is not None), None)  # fmt: skip
+        if inner is None:
+            break
+        found = inner
+    raise ValueError(
+        f"optimizer: a {type(optimizer).__name__} is not a torch.optim.Optimizer and holds "
+        "none (as .optimizer or ._optimizer); pass the torch optimizer that steps"
+    )
 
 
 @dataclass(slots=True)

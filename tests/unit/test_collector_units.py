@@ -475,3 +475,26 @@ def test_tokens_counted_inside_a_batch_passed_by_position():
     unregister_channel("units-batchtokens")
     steps = [r for r in iter_channel(q) if r["type"] == "step"]
     assert [r.get("tokens") for r in steps] == [15, 8, None]
+
+
+def test_an_optimizer_wrapper_is_hooked_through_the_optimizer_it_holds():
+    class Wrapper:  # Lightning's LightningOptimizer holds its optimizer as ``_optimizer``
+        def __init__(self, opt):
+            self._optimizer = opt
+
+        def step(self):
+            self._optimizer.step()
+
+    q = _collect("units-wrapped-opt")
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rc = RankCollector.attach(model, Wrapper(opt), job="t", sink="embedded://units-wrapped-opt",
+                              rank=0, world=1)  # fmt: skip
+    for _ in range(3):
+        model(torch.ones(2, 3)).sum().backward()
+        Wrapper(opt).step()
+    rc.close()
+    unregister_channel("units-wrapped-opt")
+    assert [r["step"] for r in iter_channel(q) if r["type"] == "step"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="RankCollector.attach: optimizer: a object is not"):
+        RankCollector.attach(model, object(), job="t", sink="embedded://x", rank=0, world=1)
