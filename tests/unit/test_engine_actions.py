@@ -193,3 +193,25 @@ def test_the_weaker_of_two_stragglers_does_not_evict_on_the_stronger_ones_slowdo
     assert found[1].action == "evict" and "contested" not in found[1].evidence
     assert found[3].action == "observe" and "[1]" in found[3].evidence["contested"]
     assert "evict" not in found[3].evidence.get("actions", {})
+
+
+def test_a_mild_straggler_beside_a_reported_slow_link_is_held_until_the_link_ends():
+    """bench vl600 and f600 slow-link runs: while the link on rank 2 was named, healthy
+    ranks read 1.1-1.2x (the link's late returns land in what their collectors count
+    as compute). A mild straggler is not reported while such a link is; one that
+    outlasts the link is, from its own onset; a strong one is at once (contested)."""
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(120):
+        sigs = []
+        if 20 <= s < 70:
+            sigs.append(_slow(rank=2, kind="network", ratio=1.3, rule="late_arrival_window"))
+        if 30 <= s < 45:
+            sigs.append(_slow(rank=0, ratio=1.15))  # held, never reported
+        if s >= 50:
+            sigs.append(_slow(rank=1, ratio=1.15))  # outlasts the link
+        if 55 <= s < 65:
+            sigs.append(_slow(rank=3, ratio=1.6))  # strong: reported at once
+        tr.update(s, float(s), sigs, _hosts, step_s=1.0 + 0.01 * (s % 3))
+    got = sorted((f.kind, f.ranks, f.first_step, f.detected_step) for f in tr.findings.values())
+    assert got == [("network", [2], 19, 20), ("straggler", [1], 49, 73),
+                   ("straggler", [3], 54, 55)]  # fmt: skip
