@@ -249,6 +249,10 @@ class RankCollector:
         """Failures of the collector's own code by part (each said once at WARNING)."""
         return self._faults.snapshot()
 
+    def note_failure(self, part: str, exc: BaseException) -> None:
+        """Count a failure of an integration's own hook in ``rc.faults`` (said once)."""
+        self._faults.hit(part, exc)
+
     @property
     def stats(self) -> SenderStats:
         """Sender counters: enqueued, sent, dropped (queue full / failed sends), errors."""
