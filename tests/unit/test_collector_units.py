@@ -421,12 +421,23 @@ class _KeywordModel(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(self.head(h), labels)}
 
 
-def test_tokens_counted_from_keyword_ids_not_from_masks_labels_or_float_inputs():
-    q = _collect("units-kwtokens")
-    model = _KeywordModel()
+def _tokens_per_step(model, batches, call) -> list:
+    """The ``tokens`` of the records of one step per batch (``call(model, batch, i)``:
+    the forward, returning the loss)."""
+    q = _collect("units-tokens-of")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    rc = RankCollector.attach(model, opt, job="t", sink="embedded://units-kwtokens", rank=0,
+    rc = RankCollector.attach(model, opt, job="t", sink="embedded://units-tokens-of", rank=0,
                               world=1)  # fmt: skip
+    for i, batch in enumerate(batches):
+        opt.zero_grad()
+        call(model, batch, i).backward()
+        opt.step()
+    rc.close()
+    unregister_channel("units-tokens-of")
+    return [r.get("tokens") for r in iter_channel(q) if r["type"] == "step"]
+
+
+def test_tokens_counted_from_keyword_ids_not_from_masks_labels_or_float_inputs():
     ids = [torch.ones(2, 7, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)]
     batches = [  # dynamic padding: each batch as long as its longest sequence
         {"input_ids": ids[0], "labels": torch.zeros(2, dtype=torch.long),
@@ -435,14 +446,8 @@ def test_tokens_counted_from_keyword_ids_not_from_masks_labels_or_float_inputs()
          "input_ids": ids[1]},
         {"pixel_values": torch.ones(2, 4)},  # a float input: no token count
     ]  # fmt: skip
-    for batch in batches:
-        opt.zero_grad()
-        model(**batch)["loss"].backward()
-        opt.step()
-    rc.close()
-    unregister_channel("units-kwtokens")
-    steps = [r for r in iter_channel(q) if r["type"] == "step"]
-    assert [r.get("tokens") for r in steps] == [14, 12, None]
+    tokens = _tokens_per_step(_KeywordModel(), batches, lambda m, b, i: m(**b)["loss"])
+    assert tokens == [14, 12, None]
 
 
 class _BatchModel(torch.nn.Module):
@@ -458,23 +463,12 @@ class _BatchModel(torch.nn.Module):
 
 
 def test_tokens_counted_inside_a_batch_passed_by_position():
-    q = _collect("units-batchtokens")
-    model = _BatchModel()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    rc = RankCollector.attach(model, opt, job="t", sink="embedded://units-batchtokens", rank=0,
-                              world=1)  # fmt: skip
     long = torch.ones(3, 5, dtype=torch.long)
     batches = [{"attention_mask": torch.ones_like(long), "input_ids": long},
                (torch.ones(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)),
                [torch.ones(2, 4), torch.ones(2, 4, dtype=torch.long)]]  # fmt: skip
-    for i, batch in enumerate(batches):  # the last: float features first, no tokens
-        opt.zero_grad()
-        model(batch, i).backward()
-        opt.step()
-    rc.close()
-    unregister_channel("units-batchtokens")
-    steps = [r for r in iter_channel(q) if r["type"] == "step"]
-    assert [r.get("tokens") for r in steps] == [15, 8, None]
+    # the last: float features first, no tokens (the labels are no token ids)
+    assert _tokens_per_step(_BatchModel(), batches, lambda m, b, i: m(b, i)) == [15, 8, None]
 
 
 def test_an_optimizer_wrapper_is_hooked_through_the_optimizer_it_holds():
