@@ -1,11 +1,14 @@
-"""Hugging Face loops, unchanged but for the attach, on real gloo ranks.
+"""Loops that frameworks own (Accelerate, the Hugging Face Trainer, Lightning), unchanged
+but for the attach, on real gloo ranks.
 
 Accelerate: ``accelerator.prepare`` hands back DDP and an ``AcceleratedOptimizer``,
 a wrapper built without ``Optimizer.__init__`` (no step hooks of its own) that
 steps its torch optimizer only on the last micro-batch of an accumulation; the
 collector hooks that inner optimizer. The ``Trainer`` wraps the model and
 builds its optimizer inside ``train()``; ``attach_trainer``'s callback attaches
-to both there and reads the loss from the model's output.
+to both there and reads the loss from the model's output. Lightning builds
+DDP and the optimizer inside ``fit()``; ``lightning_callback`` attaches at
+``on_train_start`` and reads the loss ``training_step`` returns.
 
 Both: gradient accumulation 2, variable-length batches padded per batch, a bit
 flipped in one rank's weights after one update from outside the loop. Each
@@ -96,6 +99,41 @@ def _trainer(rank: int, port: int, out: str, flip_rank: int, flip_step: int) -> 
     assert hooked.rc is not None and not hooked.rc.faults, hooked.rc.faults
 
 
+def _lightning(rank: int, port: int, out: str, flip_rank: int, flip_step: int) -> None:
+    torchrun_env(rank, port)
+    import lightning as L
+    from rankscope.collectors.integrations.lightning import lightning_callback
+
+    class Module(L.LightningModule):  # the usual shape: a model, a step, its optimizer
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Classifier()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    hooked = lightning_callback(job="lightning", sink=f"file://{out}/trace", host="node00")
+
+    class Flip(L.Callback):  # the fault, from outside the loop
+        def on_train_start(self, trainer, pl_module):
+            if rank == flip_rank:
+                flip_after(trainer.optimizers[0], flip_step, lambda: hooked.rc.step_index)
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(sequences(), batch_size=4, collate_fn=collate)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=STEPS,
+        accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(Path(out) / "pl"), callbacks=[hooked, Flip()],
+    )  # fmt: skip
+    trainer.fit(Module(), loader)
+    assert hooked.rc is not None and not hooked.rc.faults, hooked.rc.faults
+
+
 def _run_and_check(worker, tmp_path: Path, flip_rank: int, flip_step: int) -> dict:
     mp.spawn(worker, args=(free_port(), str(tmp_path), flip_rank, flip_step), nprocs=WORLD,
              join=True)  # fmt: skip
@@ -112,7 +150,8 @@ def _run_and_check(worker, tmp_path: Path, flip_rank: int, flip_step: int) -> di
         assert len({steps[s][r]["grad_norm_reduced"] for r in range(WORLD)}) == 1, s
     for r in range(WORLD):  # DDP's all-reduce, seen on the wrapped model
         colls = steps[3][r]["collectives"]
-        assert colls and colls[0]["op"] == "allreduce" and steps[3][r]["comm_s"] > 0
+        assert ("allreduce", "dp") in {(c["op"], c["group"]) for c in colls}, colls
+        assert steps[3][r]["comm_s"] > 0
 
     found = replay_trace(tmp_path / "trace").findings
     sdc = [f for f in found if f.kind == "sdc"]
@@ -129,4 +168,9 @@ def test_an_accelerate_loop_with_accumulation_records_optimizer_steps_and_names_
 
 def test_a_trainer_run_is_recorded_through_its_callback_and_the_flip_is_named(tmp_path: Path):
     steps = _run_and_check(_trainer, tmp_path, flip_rank=1, flip_step=7)
+    assert all(0 < steps[s][r]["loss"] < 5 for s in steps for r in range(WORLD))
+
+
+def test_a_lightning_run_is_recorded_through_its_callback_and_the_flip_is_named(tmp_path: Path):
+    steps = _run_and_check(_lightning, tmp_path, flip_rank=3, flip_step=8)
     assert all(0 < steps[s][r]["loss"] < 5 for s in steps for r in range(WORLD))
