@@ -7,7 +7,7 @@ callback attaches at ``on_train_start``, when both exist: to
 so its communication hook sees the gradient reduction) and to the first of
 ``trainer.optimizers`` (its step marks the boundary; with several optimizers,
 as in manual optimization, that first one's step is the step). The loss is
-what ``training_step`` returns (``step_loss.py``). ``lightning`` (or the older
+what ``training_step`` returns (``attachment.py``). ``lightning`` (or the older
 ``pytorch_lightning``) is imported only when the callback is built.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankscope.collectors.integrations.step_loss import StepLoss
+from rankscope.collectors.integrations.attachment import Attachment
 
 __all__ = ["lightning_callback"]
 
@@ -33,26 +33,20 @@ def lightning_callback(*, job: str, sink: Any, **attach_kw: Any):
     and closes it when it ends (``rc`` on the callback, once attached); pass it in
     ``Trainer(callbacks=[...])``. ``attach_kw``: the other keywords of
     ``RankCollector.attach``."""
-    from rankscope.collectors.rank.collector import RankCollector
 
     class RankscopeCallback(_callback_base()):
         def __init__(self) -> None:
-            self.rc: RankCollector | None = None
-            self._hook = None
+            self.attached = Attachment(job, sink, attach_kw)
+
+        @property
+        def rc(self):
+            return self.attached.rc
 
         def on_train_start(self, trainer, pl_module) -> None:
-            if self.rc is not None:
-                return
             model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
-            optimizer = trainer.optimizers[0] if trainer.optimizers else None
-            self.rc = RankCollector.attach(model, optimizer, job=job, sink=sink, **attach_kw)
-            self._hook = model.register_forward_hook(StepLoss(self.rc))
+            self.attached.start(model, trainer.optimizers[0] if trainer.optimizers else None)
 
         def on_train_end(self, trainer, pl_module) -> None:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-            if self.rc is not None:
-                self.rc.close()
+            self.attached.stop()
 
     return RankscopeCallback()
