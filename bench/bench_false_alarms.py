@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fa_loops import LOOPS  # noqa: E402
+from fa_record import next_index  # noqa: E402
 from fa_score import print_scores, score_corpus  # noqa: E402
 
 STYLES = tuple(LOOPS)
@@ -61,19 +62,11 @@ def fault_plan(steps: int) -> list[tuple[str, dict]]:
     return out
 
 
-def _next_index(corpus: Path) -> int:
-    if not corpus.is_dir():
-        return 0
-    nums = [int(p.name.rsplit("-", 1)[-1]) for p in corpus.iterdir()
-            if p.is_dir() and p.name.rsplit("-", 1)[-1].isdigit()]  # fmt: skip
-    return max(nums, default=-1) + 1
-
-
 def plan(corpus: Path, clean: int, faults: bool, steps: int,
          styles: tuple[str, ...] = STYLES, tags: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
     """Clean runs round-robin over ``styles``, then each style's localizable faults
     (those of ``tags``, e.g. ``straggler1.25``, where given)."""
-    idx = _next_index(corpus)
+    idx = next_index(corpus)
     runs = []
     for i in range(clean):
         style = styles[(idx + i) % len(styles)]

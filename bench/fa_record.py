@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from fa_faults import StepClock, comm_hook_for, install_fault, label
 from fa_loops import build_loop
 
-__all__ = ["record_batch"]
+__all__ = ["next_index", "record_batch"]
 
 HOST = "node00"  # one host: 4 ranks on this machine
 
@@ -60,6 +60,15 @@ def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> Non
                 (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     finally:
         dist.destroy_process_group()
+
+
+def next_index(corpus: Path) -> int:
+    """The next free run number in ``corpus`` (runs are named ``...-NNNN``)."""
+    if not corpus.is_dir():
+        return 0
+    nums = [int(p.name.rsplit("-", 1)[-1]) for p in corpus.iterdir()
+            if p.is_dir() and p.name.rsplit("-", 1)[-1].isdigit()]  # fmt: skip
+    return max(nums, default=-1) + 1
 
 
 def record_batch(runs: list[dict], out: Path, world: int = 4) -> None:
