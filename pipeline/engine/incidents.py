@@ -249,6 +249,16 @@ class IncidentTracker:
         return any(o.kind == "network" and o.reported and not o.unattributed
                    and not o.ranks & inc.ranks for o in self._open)  # fmt: skip
 
+    def _waits_least(self, inc: _Incident) -> bool:
+        """A network incident of shorter waits only, on ranks a reported straggler incident
+        still open names: a straggler waits least because it arrives last, which is the
+        straggler's finding, not a link (2-step observes beside 1.25x and 1.5x stragglers
+        of the bench's 600-step tp and tutorial runs)."""
+        if inc.kind != "network" or not inc.rules or not inc.rules <= LONE_WAIT_RULES:
+            return False
+        return any(o.kind == "straggler" and o.reported and not o.unattributed
+                   and inc.ranks <= o.ranks for o in self._open)  # fmt: skip
+
     def _sustained(self, inc: _Incident) -> float | None:
         tail = inc.slowdowns[-SLOWDOWN_SIGNALS:]
         return float(statistics.median(tail)) if tail else None
@@ -292,8 +302,8 @@ class IncidentTracker:
         # crowded host's jitter as often as a link (docs/detectors.md, "Actions")
         if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
             reportable = reportable and inc.signals >= LONE_WAIT_SIGNALS
-        if reportable and not inc.reported and self._beside_link(inc):
-            reportable = False  # the link's echo, until it outlasts the link or grows
+        if reportable and not inc.reported and (self._beside_link(inc) or self._waits_least(inc)):
+            reportable = False  # an echo of a fault already named, while that one is open
         if reportable and not inc.reported:
             inc.reported = True
             inc.detected_step = step

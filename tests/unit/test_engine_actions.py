@@ -215,3 +215,26 @@ def test_a_mild_straggler_beside_a_reported_slow_link_is_held_until_the_link_end
     got = sorted((f.kind, f.ranks, f.first_step, f.detected_step) for f in tr.findings.values())
     assert got == [("network", [2], 19, 20), ("straggler", [1], 49, 73),
                    ("straggler", [3], 54, 55)]  # fmt: skip
+
+
+def test_a_named_stragglers_shorter_waits_are_not_a_second_finding():
+    """bench f600 tp and tutorial straggler runs: the straggler, arriving last, waited
+    least for a couple of steps now and then, and each time a 2-step network observe
+    named it beside its own straggler finding. Shorter waits alone on a rank an open
+    straggler incident names are that incident's; on another rank, or with a rule
+    that sees the link itself, they are still reported."""
+    def lone(rank):
+        return _slow(rank=rank, kind="network", ratio=1.2, rule="last_arrival_or_shortest_wait")
+
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(80):
+        sigs = [_slow(rank=2, ratio=1.5)] if s >= 20 else []
+        if s in (40, 41):
+            sigs.append(lone(2))  # the straggler's own: held
+        if s in (50, 51):
+            sigs.append(lone(1))  # another rank's: reported from its second
+        if s in (60, 61):
+            sigs += [lone(3), _slow(rank=3, kind="network", ratio=1.2, rule="late_return_window")]
+        tr.update(s, float(s), sigs, _hosts, step_s=1.0 + 0.01 * (s % 3))
+    got = sorted((f.kind, f.ranks, f.first_step) for f in tr.findings.values())
+    assert got == [("network", [1], 49), ("network", [3], 59), ("straggler", [2], 19)], got
