@@ -1,4 +1,4 @@
-"""torchtitan-like loops for the false-alarm bench: FSDP2 and DTensor tensor parallel.
+"""torchtitan-like loops for the false-alarm bench: FSDP2, DTensor tensor parallel, FSDP1.
 
 The model is a small Llama the way torchtitan writes it (RMSNorm, attention
 with separate ``wq/wk/wv/wo`` whose heads are viewed with ``-1`` so a tensor-
@@ -10,6 +10,8 @@ world; AdamW with warmup and cosine decay (``LambdaLR``), ``clip_grad_norm_``.
 ``wo``, ``w2`` row-wise inside each block (torchtitan's plan without sequence
 parallel), then FSDP2 over ``dp``; tp partners train on the same batch. No
 clipping: torch's ``clip_grad_norm_`` refuses parameters on two meshes.
+``fsdp1``: the same model under the ``FullyShardedDataParallel`` wrapper, the
+way Lightning's ``FSDPStrategy`` and Accelerate build it.
 
 Pure CPU work, as the DDP loops: no emulated device time.
 """
@@ -129,11 +131,14 @@ class _TitanLoop:
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self._clip(1.0)
         self.opt.step()
         self.sched.step()
         rc.loss(loss.detach())
         self.opt.zero_grad()
+
+    def _clip(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
 
 class FSDP2Loop(_TitanLoop):
@@ -191,4 +196,27 @@ class TPLoop(_TitanLoop):
         return self._finish(mesh["dp"].get_local_rank())
 
 
-LOOPS = {"fsdp2": FSDP2Loop, "tp": TPLoop}
+class FSDP1Loop(_TitanLoop):
+    """The ``FullyShardedDataParallel`` wrapper as Lightning's ``FSDPStrategy`` and
+    Accelerate build it: one unit per block (an auto-wrap policy), full sharding,
+    ``use_orig_params``, clipping by the wrapper's own ``clip_grad_norm_``."""
+
+    style = "fsdp1"
+    faults = ("straggler", "network", "nonfinite")
+
+    def wrap(self) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        self.model = FullyShardedDataParallel(
+            self.model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )  # fmt: skip
+        return self._finish(self.rank)
+
+    def _clip(self, max_norm: float) -> None:
+        self.model.clip_grad_norm_(max_norm)
+
+
+LOOPS = {"fsdp2": FSDP2Loop, "tp": TPLoop, "fsdp1": FSDP1Loop}

@@ -441,7 +441,7 @@ class RankCollector:
             read = fallback_grad_stats(
                 self.state,
                 self._params,
-                fsdp=shape is not None and shape.fsdp is not None,
+                fsdp=shape is not None and (shape.fsdp or shape.fsdp1) is not None,
                 dtensor=shape is not None and shape.dtensor,
             )
         except Exception as exc:

@@ -32,7 +32,7 @@ from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.grad_stats import tensor_norm_stats
 from rankscope.collectors.rank.step_state import StepState
 
-__all__ = ["FsdpGroups", "GradInputTap", "find_fsdp", "fsdp_taps"]
+__all__ = ["FsdpGroups", "GradInputTap", "find_fsdp", "fsdp_taps", "group_key"]
 
 
 @dataclass(slots=True)
@@ -48,7 +48,8 @@ class FsdpGroups:
         return self.replicate + self.shard
 
 
-def _key(group: Any) -> str:
+def group_key(group: Any) -> str:
+    """A process group's key: its name (or, without one, its identity)."""
     return str(getattr(group, "group_name", None) or id(group))
 
 
@@ -81,9 +82,9 @@ def find_fsdp(model: torch.nn.Module) -> FsdpGroups | None:
                                ("replicate_process_group", found.replicate)):
                 g = getattr(info, attr, None)
                 if g is not None:
-                    found.by_group.setdefault(_key(g), pg)
-                if g is not None and _key(g) not in seen:
-                    seen.add(_key(g))
+                    found.by_group.setdefault(group_key(g), pg)
+                if g is not None and group_key(g) not in seen:
+                    seen.add(group_key(g))
                     into.append(g)
     return found if found.modules else None
 
@@ -109,7 +110,8 @@ def _predivide(pg: Any, inp: torch.Tensor) -> float:
 class GradInputTap:
     """Takes the local gradient norm from the input of FSDP's first gradient
     reduction: the reduce-scatter, or the replicate all-reduce where the shard
-    group is one rank (training thread, just before the call)."""
+    group is one rank (training thread, just before the call). ``groups``: group
+    key -> what ``factor`` (or FSDP2's rule) reads the pre-divide factor from."""
 
     def __init__(
         self,
@@ -118,16 +120,18 @@ class GradInputTap:
         faults: Faults,
         self_time: Any = None,
         arg: tuple[str, int] = ("input", 1),
+        factor: Any = None,
     ) -> None:
         self._state = state
         self._self_time = self_time  # SelfTime: the pass counts as grad_norm_s
         self._groups = groups  # group key -> FSDPParamGroup reducing over it
         self._faults = faults
         self._arg = arg
+        self._factor_of = factor  # (group's entry, input) -> pre-divide; None: FSDP2's rule
         self._warned_factor = False
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
-        pg = None if group is None else self._groups.get(_key(group))
+        pg = None if group is None else self._groups.get(group_key(group))
         if pg is None:
             return  # a reduction that is not FSDP's gradient reduction
         try:
@@ -151,6 +155,8 @@ class GradInputTap:
             self._faults.hit("grad_norm (FSDP reduction input)", exc)
 
     def _factor(self, pg: Any, inp: torch.Tensor) -> float:
+        if self._factor_of is not None:
+            return float(self._factor_of(pg, inp))
         if inp.dtype in (torch.float32, torch.bfloat16, torch.float64):
             return 1.0  # FSDP divides only where float16 could overflow
         try:
@@ -168,7 +174,8 @@ def fsdp_taps(
     """The ``dist_wrap`` taps for ``fsdp``'s groups: reduce-scatter inputs over shard
     groups of several ranks; the replicate all-reduce's where a shard group is one."""
     def keyed(groups: list) -> dict[str, Any]:
-        return {_key(g): fsdp.by_group[_key(g)] for g in groups if _key(g) in fsdp.by_group}
+        keys = (group_key(g) for g in groups)
+        return {k: fsdp.by_group[k] for k in keys if k in fsdp.by_group}
 
     whole = [g for g in fsdp.shard if g.size() > 1]
     taps = {"reduce_scatter_single": GradInputTap(state, keyed(whole), faults, self_time)}

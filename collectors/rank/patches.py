@@ -16,6 +16,7 @@ from rankscope.collectors.rank.amp import ScalerPatch
 from rankscope.collectors.rank.clip_patch import ClipPatch
 from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
 from rankscope.collectors.rank.fsdp import fsdp_taps
+from rankscope.collectors.rank.fsdp1 import fsdp1_taps
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
 from rankscope.collectors.rank.work_wait import WorkWaitPatch
 
@@ -54,6 +55,8 @@ def build_patches(
     taps = {}
     if shape is not None and shape.fsdp is not None:
         taps = fsdp_taps(shape.fsdp, st, faults, rc._self_time)
+    elif shape is not None and shape.fsdp1 is not None:
+        taps = fsdp1_taps(shape.fsdp1, st, faults, rc._self_time)
     out.works = WorkWaitPatch(st, me, faults, timing)
     ddp = None
     if shape is not None and shape.ddp:  # under torch.compile, the DDP module it wraps

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from rankscope.collectors.rank.dtensor import ReplicaLayout, is_dtensor, replica_layout
 from rankscope.collectors.rank.fsdp import FsdpGroups, find_fsdp
+from rankscope.collectors.rank.fsdp1 import Fsdp1Groups, find_fsdp1
 
 __all__ = ["LoopShape", "hookable_optimizer", "inspect_model"]
 
@@ -27,7 +28,6 @@ log = logging.getLogger("rankscope.collectors")
 # that nothing here imports them): the local gradient is gone by the time
 # ``.grad`` is read.
 _UNKNOWN = {
-    "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel); use fully_shard (FSDP2)",
     "DeepSpeedEngine": "DeepSpeed",
 }
 
@@ -65,6 +65,7 @@ class LoopShape:
     module: torch.nn.Module  # the module to hook (under a torch.compile wrapper)
     ddp: bool = False
     fsdp: FsdpGroups | None = None
+    fsdp1: Fsdp1Groups | None = None  # the FullyShardedDataParallel wrapper (fsdp1.py)
     dtensor: bool = False
     compiled: bool = False
     tp: bool = False  # a DTensor mesh dimension other than data parallel (tensor parallel)
@@ -81,6 +82,8 @@ class LoopShape:
             parts.append("DDP")
         if self.fsdp is not None:
             parts.append("HSDP" if self.fsdp.replicate else "FSDP2")
+        if self.fsdp1 is not None:
+            parts.append(f"FSDP1 {self.fsdp1.strategy}".rstrip())
         if self.tp:
             parts.append("TP")
         return "+".join(parts) or "plain"
@@ -126,12 +129,32 @@ def _world_mesh(params: list[torch.Tensor]) -> Any:
     return mesh
 
 
+def _inspect_fsdp1(shape: LoopShape, target: Any) -> None:
+    try:
+        shape.fsdp1 = find_fsdp1(target)
+    except Exception as exc:
+        shape.missing.append(f"FSDP1 internals not understood ({exc}): grad_norm is lost")
+        return
+    if shape.fsdp1 is None:
+        return
+    shape.dp_groups = shape.fsdp1.dp_groups()
+    if shape.fsdp1.sharded:
+        shape.digest = False
+        shape.missing.append(
+            f"param_digest: under FSDP1 {shape.fsdp1.strategy} every rank holds its own "
+            "slice of the parameters, nothing whole is replicated to compare; left out (the "
+            "timing, local-norm and NaN checks still hold)"
+        )
+
+
 def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopShape:
     """Find the wrappers; log one WARNING naming what is missing (if anything)."""
     inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
     shape = LoopShape(module=model, compiled=isinstance(inner, torch.nn.Module))
     target = inner if shape.compiled else model
-    shape.ddp = callable(getattr(target, "register_comm_hook", None))
+    # DDP itself (or a subclass): FSDP1 has a register_comm_hook too, with another
+    # hook signature, and a DDP hook registered there raises in its backward
+    shape.ddp = isinstance(target, torch.nn.parallel.DistributedDataParallel)
     shape.dtensor = any(is_dtensor(p) for p in params)
     for m in [target, *getattr(target, "modules", lambda: [])()]:
         why = _UNKNOWN.get(type(m).__name__)
@@ -141,6 +164,8 @@ def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopSha
                 ".grad after the reduction and comm_s misses it"
             )
             break
+    if not shape.ddp:
+        _inspect_fsdp1(shape, target)
     if shape.dtensor:
         try:
             shape.fsdp = find_fsdp(target)

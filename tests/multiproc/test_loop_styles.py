@@ -13,12 +13,13 @@ import shutil
 import statistics
 
 import pytest
+import torch
 from support.loops.faults import Fault
 from support.loops.harness import by_kind as _by_kind
 from support.loops.harness import findings as _findings
 from support.loops.harness import med as _med
 from support.loops.harness import run_loop, run_until_seen
-from support.loops.model import Opts
+from support.loops.model import Opts, TinyLM, batch, lm_loss
 
 pytestmark = pytest.mark.multiproc
 
@@ -130,6 +131,34 @@ def test_fsdp2_unnamed_mesh(tmp_path):
             past.append(rec["data_s"] - (first["t0"] - (rec["t"] - rec["step_s"])))
             took.append(first["s"])
     assert statistics.median(past) < 0.5 * statistics.median(took), (past, took)
+    _assert_located(found, flip=False)
+
+
+def _local_grad_norm(rank: int, step: int, opts: Opts) -> float:
+    """The gradient norm rank ``rank`` computes at ``step`` 0 on the loops' first weights."""
+    torch.manual_seed(0)
+    model = TinyLM(0.0)
+    x, y = batch(rank, step, 0, opts)
+    lm_loss(model(x), y).backward()
+    return float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+
+
+def test_fsdp1_auto_wrap_as_lightning_and_accelerate_build_it(tmp_path):
+    """FSDP1's ``register_comm_hook`` once took the collector's DDP hook, which raised
+    in the first backward; now its reduce-scatter input gives the local gradient."""
+    world, opts = 4, Opts(steps=STEPS, work_s=0.06)
+    steps, info, found = run_until_seen("fsdp1", world, tmp_path, _slow_seen, attempts=3,
+                                        opts=opts, faults=FAULTS)  # fmt: skip
+    _assert_common(steps, info, world, opts.work_s)
+    for r in range(world):  # FSDP1 pre-divides the input by 2 on 4 ranks: multiplied back
+        want = _local_grad_norm(r, 0, opts)
+        assert steps[0][r]["grad_norm"] == pytest.approx(want, rel=1e-5), r
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(world)]
+        assert all("param_digest" not in r for r in recs)  # sharded: nothing whole
+        for r in recs:  # local unsharded gradient vs this rank's reduced shard
+            assert r["grad_norm"] > r["grad_norm_reduced"] > 0
+        assert {"allgather", "reduce_scatter"} <= {c["op"] for c in recs[0]["collectives"]}
     _assert_located(found, flip=False)
 
 
