@@ -145,3 +145,35 @@ def test_attached_collector_leaves_point_to_point_ops_usable():
         rc.close()
         unregister_channel("wrap-p2p")
     assert dist.isend is orig_isend is c10d.isend and dist.irecv is orig_irecv is c10d.irecv
+
+
+class _HasItsOwnCommHook(torch.nn.Module):
+    """Not DDP, but with a ``register_comm_hook`` of another signature (as FSDP1 has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.hooks: list = []
+
+    def register_comm_hook(self, state, hook):
+        self.hooks.append(hook)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_only_ddp_itself_gets_the_ddp_comm_hook():
+    q: queue.Queue = queue.Queue()
+    register_channel("wrap-hook", q)
+    model = _HasItsOwnCommHook()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rc = RankCollector.attach(model, opt, job="h", sink="embedded://wrap-hook", rank=0, world=1)
+    try:
+        assert model.hooks == []  # a DDP hook there would raise in its backward
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    finally:
+        rc.close()
+        unregister_channel("wrap-hook")
+    step = [r for r in iter_channel(q) if r.get("type") == "step"]
+    assert len(step) == 1 and step[0]["grad_norm"] > 0
