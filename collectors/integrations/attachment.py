@@ -11,11 +11,14 @@ step's training micro-batches; evaluation forwards are left out.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 __all__ = ["Attachment", "StepLoss"]
+
+log = logging.getLogger("rankscope.collectors")
 
 
 def _output_loss(output: Any) -> torch.Tensor | None:
@@ -62,8 +65,13 @@ class Attachment:
             return
         from rankscope.collectors.rank.collector import RankCollector
 
-        self.rc = RankCollector.attach(model, optimizer, job=self.job, sink=self.sink,
-                                       **self.attach_kw)  # fmt: skip
+        try:
+            self.rc = RankCollector.attach(model, optimizer, job=self.job, sink=self.sink,
+                                           **self.attach_kw)  # fmt: skip
+        except Exception as exc:  # inside the framework's loop: never into training
+            log.warning("rankscope collector: not attached (%s); training goes on without it",
+                        exc)  # fmt: skip
+            return
         self._hook = model.register_forward_hook(StepLoss(self.rc))
 
     def stop(self) -> None:

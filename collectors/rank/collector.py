@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from rankscope.collectors.rank.beat import BeatThread
 from rankscope.collectors.rank.config import CollectorConfig
-from rankscope.collectors.rank.ddp_hook import HookContext, make_ddp_hook
+from rankscope.collectors.rank.ddp_hook import HookContext, install_ddp_hook
 from rankscope.collectors.rank.device_timing import DeviceTiming, TimingStats, make_device_timing
 from rankscope.collectors.rank.digest_worker import make_digester
 from rankscope.collectors.rank.faults import Faults
@@ -189,15 +189,9 @@ class RankCollector:
                 comm_state,
                 getattr(ddp_model, "process_group", None),
             )
-            try:
-                ddp_model.register_comm_hook(None, make_ddp_hook(ctx))
-            except RuntimeError as exc:
-                raise ValueError(
-                    "RankCollector.attach: could not register the DDP communication hook "
-                    f"({exc}); DDP allows one hook: pass yours as comm_hook= instead"
-                ) from None
-            ctx.self_time, ctx.timing = self._self_time, self._timing
-            self._hook_ctx = ctx
+            if install_ddp_hook(ddp_model, ctx):  # else DDP has one: .grad is reduced
+                ctx.self_time, ctx.timing = self._self_time, self._timing
+                self._hook_ctx = ctx
         if self.config.digest_every_steps and (self._shape is None or self._shape.digest):
             self._digester = make_digester(
                 self._params,
@@ -442,6 +436,7 @@ class RankCollector:
                 self.state,
                 self._params,
                 fsdp=shape is not None and (shape.fsdp or shape.fsdp1) is not None,
+                reduced=shape is not None and shape.ddp and self._hook_ctx is None,
                 dtensor=shape is not None and shape.dtensor,
             )
         except Exception as exc:

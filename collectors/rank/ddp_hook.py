@@ -40,7 +40,7 @@ from rankscope.collectors.rank.grad_stats import tensor_norm_stats
 from rankscope.collectors.rank.self_time import SelfTime
 from rankscope.collectors.rank.step_state import StepState
 
-__all__ = ["HookContext", "make_ddp_hook", "hook_context"]
+__all__ = ["HookContext", "hook_context", "install_ddp_hook", "make_ddp_hook"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -208,3 +208,23 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
         return _launch_average(ctx, bucket.buffer())[0].then(lambda f: _first_tensor(f.value()))
 
     return rankscope_comm_hook
+
+
+def install_ddp_hook(ddp_model: Any, ctx: HookContext) -> bool:
+    """Register the collector's hook on ``ddp_model``; False, said at WARNING, where
+    DDP refuses it. DDP takes one hook for good: one registered before attach
+    (Lightning's ``ddp_comm_hook``, Accelerate's ``comm_hook``) keeps the reduction,
+    and the records carry ``grad_norm_reduced`` from ``.grad`` and no local norm."""
+    try:
+        ddp_model.register_comm_hook(None, make_ddp_hook(ctx))
+        return True
+    except RuntimeError as exc:
+        log.warning(
+            "rankscope collector: DDP took no communication hook (%s): the local gradient "
+            "is not seen, grad_norm and nonfinite are left out and grad_norm_reduced is read "
+            "from .grad at the optimizer step; to keep them, hand your hook to "
+            "RankCollector.attach(comm_hook=..., comm_state=...) instead of DDP",
+            exc,
+        )
+        return False
+

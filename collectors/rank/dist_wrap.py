@@ -140,8 +140,12 @@ class DistPatch:
         works: Any = None,
         timing: Any = None,
         ddp: tuple[Any, str] | None = None,
+        foreign_hook_group: Any = None,
     ) -> None:
         self._state = state
+        # DDP's process group where a hook of the user's own (registered before attach)
+        # reduces the gradients: its async all-reduces are timed to their completion
+        self._foreign = foreign_hook_group
         self._ddp = ddp  # (the DDP module, its gradient group's name): buffer broadcasts
         self._works = works  # work_wait.WorkWaitPatch: times the async calls' waits
         self._timing = timing  # device_timing.DeviceTiming on CUDA
@@ -262,11 +266,35 @@ class DistPatch:
                             self._timing.blocked_end(mark)
                         if is_async and on_training and self._works is not None:
                             self._works.watch(result, entry)
+                        if is_async and self._foreign is not None and op == "allreduce":
+                            self._watch_foreign(result, entry, group, t0, dt)
                 except Exception as exc:
                     self._fault(name, exc)
 
         wrapper.__rankscope_wrapped__ = True
         return wrapper
+
+    def _watch_foreign(self, work: Any, entry: dict, group: Any, t0: float, dt: float) -> None:
+        """A bucket reduction launched by the user's own DDP hook: its launch counts as
+        ``comm_s`` and its completion closes the tail backward waits for, as for the
+        collector's own hook (``StepState.backward_wait_s``)."""
+        name = lambda g: getattr(g, "group_name", id(g))  # noqa: E731
+        if work is None or (group is not None and name(group) != name(self._foreign)):
+            return
+        st = self._state
+        st.comm_s += dt
+        st.last_launch_exit_perf = t0 + dt
+
+        def done(_fut) -> None:
+            try:
+                now = time.perf_counter()
+                st.finish_collective(entry, now - t0)
+                if st.last_done_perf is None or now > st.last_done_perf:
+                    st.last_done_perf = now
+            except Exception as exc:
+                self._fault("allreduce (a DDP hook's)", exc)
+
+        work.get_future().add_done_callback(done)
 
     def _fault(self, name: str, exc: Exception) -> None:
         if self._faults is not None:

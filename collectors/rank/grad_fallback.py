@@ -6,6 +6,8 @@
   (``fsdp.py``); here ``.grad`` holds this rank's shard of the REDUCED
   gradient, whose norm is ``grad_norm_reduced`` (equal on HSDP replicas of one
   shard). The loop's clipping norm is the global norm of all shards, not this.
+* DDP with a communication hook registered before attach: ``.grad`` is the
+  reduced gradient; only ``grad_norm_reduced`` is known.
 * DTensor tensor parallel without FSDP: norms over the LOCAL parts only (a
   norm of the DTensor itself would be a global, cross-rank reduction).
 """
@@ -23,13 +25,15 @@ __all__ = ["fallback_grad_stats"]
 
 
 def fallback_grad_stats(
-    st: StepState, params: list[torch.Tensor], *, fsdp: bool, dtensor: bool
-) -> bool:
-    """Fill ``st``'s norms from ``.grad`` where nothing else did; True if it read grads."""
+    st: StepState, params: list[torch.Tensor], *, fsdp: bool, dtensor: bool,
+    reduced: bool = False,
+) -> bool:  # fmt: skip
+    """Fill ``st``'s norms from ``.grad`` where nothing else did; True if it read grads.
+    ``reduced``: DDP reduced ``.grad`` through a hook of its own (no local norm)."""
     if st.buckets:
         return False
-    if fsdp:
-        if st.fsdp_reductions and not st.reduced_sq:
+    if fsdp or reduced:
+        if (reduced or st.fsdp_reductions) and not st.reduced_sq:
             grads = _local_grads(params)
             if grads:
                 st.reduced_sq.append(grads_norm_stats(grads)[0])

@@ -61,8 +61,14 @@ def build_patches(
     ddp = None
     if shape is not None and shape.ddp:  # under torch.compile, the DDP module it wraps
         ddp = (getattr(shape.module, "_orig_mod", shape.module), rc.config.ddp_group_name)
-    out.all += [out.works, DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
-                                     timing=timing, ddp=ddp)]  # fmt: skip
+    foreign = None  # DDP kept a hook of the user's own (ddp_hook.install_ddp_hook)
+    if ddp is not None and rc._hook_ctx is None:
+        import torch.distributed as dist
+
+        foreign = getattr(ddp[0], "process_group", None) or dist.group.WORLD
+    dist_patch = DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
+                           timing=timing, ddp=ddp, foreign_hook_group=foreign)  # fmt: skip
+    out.all += [out.works, dist_patch]
     if shape is not None and shape.dtensor:
         out.funcol = FuncolPatch(st, label, me, faults, timing)
         out.all.append(out.funcol)

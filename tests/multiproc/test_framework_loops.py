@@ -41,12 +41,17 @@ pytestmark = pytest.mark.multiproc
 STEPS, ACCUM = 16, 2
 
 
-def _accelerate(rank: int, port: int, out: str, flip_rank: int, flip_step: int) -> None:
+def _accelerate(rank: int, port: int, out: str, flip_rank: int, flip_step: int,
+                comm_hook: bool = False) -> None:  # fmt: skip
     torchrun_env(rank, port)
     from accelerate import Accelerator
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
     from rankscope.collectors import RankCollector
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    # comm_hook: the user's own DDP hook, which prepare() registers before the attach
+    hook = DDPCommunicationHookType.FP16 if comm_hook else DDPCommunicationHookType.NO
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM,
+                              kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=hook)])
     torch.manual_seed(0)
     model = Classifier()
     loader = torch.utils.data.DataLoader(sequences(), batch_size=4, shuffle=True,
@@ -134,9 +139,11 @@ def _lightning(rank: int, port: int, out: str, flip_rank: int, flip_step: int) -
     assert hooked.rc is not None and not hooked.rc.faults, hooked.rc.faults
 
 
-def _run_and_check(worker, tmp_path: Path, flip_rank: int, flip_step: int) -> dict:
-    mp.spawn(worker, args=(free_port(), str(tmp_path), flip_rank, flip_step), nprocs=WORLD,
-             join=True)  # fmt: skip
+def _run_and_check(worker, tmp_path: Path, flip_rank: int, flip_step: int, *extra,
+                   local: bool = True) -> dict:  # fmt: skip
+    """``local``: the collector's DDP hook is in place, so the local norm is recorded."""
+    mp.spawn(worker, args=(free_port(), str(tmp_path), flip_rank, flip_step, *extra),
+             nprocs=WORLD, join=True)  # fmt: skip
     trace = read_trace(tmp_path / "trace")
     assert trace.report.bad == 0, [str(e) for e in trace.report.errors[:5]]
     steps = steps_of(trace)
@@ -148,9 +155,12 @@ def _run_and_check(worker, tmp_path: Path, flip_rank: int, flip_step: int) -> di
     for s in range(flip_step):  # replicas agree until the flip
         assert len({steps[s][r]["param_digest"] for r in range(WORLD)}) == 1, s
         assert len({steps[s][r]["grad_norm_reduced"] for r in range(WORLD)}) == 1, s
+        assert all(("grad_norm" in steps[s][r]) == local for r in range(WORLD)), s
     for r in range(WORLD):  # DDP's all-reduce, seen on the wrapped model
         colls = steps[3][r]["collectives"]
-        assert ("allreduce", "dp") in {(c["op"], c["group"]) for c in colls}, colls
+        # the user's hook reduces by itself, on DDP's group: the world here
+        group = "dp" if local else "world"
+        assert ("allreduce", group) in {(c["op"], c["group"]) for c in colls}, colls
         assert steps[3][r]["comm_s"] > 0
 
     found = replay_trace(tmp_path / "trace").findings
@@ -164,6 +174,13 @@ def test_an_accelerate_loop_with_accumulation_records_optimizer_steps_and_names_
     tmp_path: Path,
 ):
     _run_and_check(_accelerate, tmp_path, flip_rank=2, flip_step=9)
+
+
+def test_a_ddp_hook_of_the_users_own_is_kept_and_the_rest_recorded(tmp_path: Path):
+    """DDP takes one communication hook for good, and ``prepare()`` registered the
+    user's fp16 compression first. The attach once raised there; now it leaves that
+    hook in place and the local norm out (said at WARNING), and records the rest."""
+    _run_and_check(_accelerate, tmp_path, 0, 5, True, local=False)
 
 
 def test_a_trainer_run_is_recorded_through_its_callback_and_the_flip_is_named(tmp_path: Path):

@@ -177,3 +177,18 @@ def test_only_ddp_itself_gets_the_ddp_comm_hook():
         unregister_channel("wrap-hook")
     step = [r for r in iter_channel(q) if r.get("type") == "step"]
     assert len(step) == 1 and step[0]["grad_norm"] > 0
+
+
+def test_a_framework_callback_that_cannot_attach_says_so_and_training_goes_on(caplog):
+    """Inside a framework's loop (``collectors/integrations``) a failed attach is a
+    WARNING, never an exception into ``fit()`` / ``train()``."""
+    from rankscope.collectors.integrations.attachment import Attachment
+
+    model = torch.nn.Linear(4, 1)
+    attached = Attachment("cb", "embedded://nowhere", {})
+    with caplog.at_level(logging.WARNING, logger="rankscope.collectors"):
+        attached.start(model, object())  # no torch optimizer in there
+    assert attached.rc is None
+    assert "not attached" in caplog.text and "training goes on" in caplog.text
+    model(torch.ones(2, 4)).sum().backward()  # the model is untouched
+    attached.stop()
