@@ -162,6 +162,25 @@ def test_fsdp1_auto_wrap_as_lightning_and_accelerate_build_it(tmp_path):
     _assert_located(found, flip=False)
 
 
+@pytest.mark.parametrize("strategy", ["NO_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_other_sharding_strategies(tmp_path, strategy):
+    """``NO_SHARD`` reduces with an all-reduce (the tap moves there) and replicates the
+    weights (the digest stays); ``SHARD_GRAD_OP`` reduce-scatters as FULL_SHARD."""
+    world, opts = 4, Opts(steps=3, work_s=0.0)
+    steps, info = run_loop("fsdp1", world, tmp_path, opts=opts, build_kw={"strategy": strategy})
+    assert all(not i["faults"] for i in info.values()), info
+    for r in range(world):
+        want = _local_grad_norm(r, 0, opts)
+        assert steps[0][r]["grad_norm"] == pytest.approx(want, rel=1e-5), r
+    for s in range(3):
+        digests = {steps[s][r].get("param_digest") for r in range(world)}
+        if strategy == "NO_SHARD":
+            assert len(digests) == 1 and None not in digests
+            assert len({steps[s][r]["grad_norm_reduced"] for r in range(world)}) == 1
+        else:
+            assert digests == {None}
+
+
 def test_hsdp_replicas_of_one_shard(tmp_path):
     world, opts = 6, Opts(steps=STEPS, work_s=0.06)  # 6 ranks share 2 cores: more device time
     steps, info, found = _run_sharded(world, tmp_path, opts, build_kw={"hsdp": 3})

@@ -13,12 +13,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
-def build(rank: int, world: int, opts: Opts) -> Built:
+def build(rank: int, world: int, opts: Opts, strategy: str = "FULL_SHARD") -> Built:
     torch.manual_seed(0)
     model = FullyShardedDataParallel(
         TinyLM(opts.work_s),
         auto_wrap_policy=ModuleWrapPolicy({Block}),
-        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        sharding_strategy=getattr(ShardingStrategy, strategy),
         device_id=torch.device("cpu"),
         use_orig_params=True,
     )
