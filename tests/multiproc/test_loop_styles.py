@@ -95,6 +95,23 @@ def test_ddp_nanogpt_style_accumulation_and_clipping(tmp_path):
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 
+def test_ddp_with_zero_redundancy_optimizer_and_gradients_as_bucket_views(tmp_path):
+    """ZeRO-1 steps each rank's slice of the optimizer state and broadcasts the updated
+    parameters inside ``step()``; DDP's buckets hold the gradients themselves."""
+    world = 4
+    steps, info = run_loop("ddp_nanogpt", world, tmp_path, opts=Opts(steps=STEPS, accum=2),
+                           faults=FAULTS,
+                           build_kw={"zero": True, "gradient_as_bucket_view": True})  # fmt: skip
+    _assert_common(steps, info, world)
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(world)]
+        assert len({r["param_digest"] for r in recs}) == 1  # replicas after the broadcasts
+        assert len({r["grad_norm_reduced"] for r in recs}) == 1
+        assert {(c["op"], c["group"]) for c in recs[0]["collectives"]} >= {
+            ("allreduce", "dp"), ("broadcast", "world")}
+    _assert_located(_findings(tmp_path / "trace"), flip=True)
+
+
 def _slow_seen(found) -> bool:
     """The straggler was found while it lasted (what _assert_located asks)."""
     return any(SLOW_FROM <= f[3] <= SLOW_UNTIL for f in _by_kind(found, "straggler"))

@@ -13,11 +13,17 @@ from support.loops.model import Built, Opts, TinyLM, batch, lm_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def build(rank: int, world: int, opts: Opts, compile: str | None = None) -> Built:
+def build(rank: int, world: int, opts: Opts, compile: str | None = None, zero: bool = False,
+          **ddp_kw) -> Built:  # fmt: skip
     torch.manual_seed(0)
     lm = TinyLM(opts.work_s)
-    model = DDP(torch.compile(lm, backend=compile) if compile else lm)
-    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    model = DDP(torch.compile(lm, backend=compile) if compile else lm, **ddp_kw)
+    if zero:  # ZeRO-1: each rank steps its slice of the optimizer state, then broadcasts
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=opts.lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     return Built(model, opt)
 
 
