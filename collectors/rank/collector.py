@@ -31,7 +31,12 @@ from rankscope.collectors.rank.step_boundary import Guarded, count_tokens, pendi
 from rankscope.collectors.rank.step_record import build_step_record
 from rankscope.collectors.rank.step_state import StepState
 from rankscope.collectors.rank.topology import Identity, resolve_identity
-from rankscope.collectors.rank.wrappers import LoopShape, hookable_optimizer, inspect_model
+from rankscope.collectors.rank.wrappers import (
+    LoopShape,
+    hookable_optimizer,
+    inspect_model,
+    resumed_step,
+)
 from rankscope.collectors.sinks.factory import make_sink
 from rankscope.collectors.sinks.sender import Sender, SenderStats
 
@@ -107,22 +112,20 @@ class RankCollector:
         queue_size: int | None = None,
         control: Any = None,
         config: CollectorConfig | None = None,
+        start_step: int | None = None,
     ) -> RankCollector:
         """Attach to ``model`` (plain module or DDP) and ``optimizer``; start beating.
 
         Raises ``ValueError`` with a clear message for what can be known to be
-        wrong now (a bad sink URL, a topology that does not fit the world, a
-        DDP model that already has a communication hook); after that nothing
-        the collector does raises into training.
+        wrong now (a bad sink URL, a topology that does not fit the world); after
+        that nothing the collector does raises into training. ``start_step``: the
+        first step's number (default: where a restored optimizer left off).
         """
         if not job or not isinstance(job, str):
             raise ValueError("RankCollector.attach: job must be a non-empty string")
         cfg = config or CollectorConfig()
-        overrides = {
-            k: v
-            for k, v in (("beat_interval_s", beat_interval_s), ("queue_size", queue_size))
-            if v is not None
-        }
+        overrides = {k: v for k, v in (("beat_interval_s", beat_interval_s),
+                                        ("queue_size", queue_size)) if v is not None}  # fmt: skip
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         if optimizer is not None:
@@ -167,6 +170,7 @@ class RankCollector:
             control=control,
             shape=shape,
         )
+        rc.state.step = resumed_step(optimizer) if start_step is None else int(start_step)
         try:
             rc._install(model, optimizer, is_ddp, comm_hook, comm_state)
             rc._start_control()

@@ -20,7 +20,7 @@ from rankscope.collectors.rank.dtensor import ReplicaLayout, is_dtensor, replica
 from rankscope.collectors.rank.fsdp import FsdpGroups, find_fsdp
 from rankscope.collectors.rank.fsdp1 import Fsdp1Groups, find_fsdp1
 
-__all__ = ["LoopShape", "hookable_optimizer", "inspect_model"]
+__all__ = ["LoopShape", "hookable_optimizer", "inspect_model", "resumed_step"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -56,6 +56,25 @@ def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         f"optimizer: a {type(optimizer).__name__} is not a torch.optim.Optimizer and holds "
         "none (as .optimizer or ._optimizer); pass the torch optimizer that steps"
     )
+
+
+def resumed_step(optimizer: Any) -> int:
+    """The optimizer steps already taken, by its state (Adam-family optimizers count
+    them per parameter; the largest count): a job restored from a checkpoint goes on
+    numbering its steps from there, as on every replica, instead of from 0, whose
+    records the pipeline would drop as late for the job's whole first run length.
+    0 where the state keeps no count (plain SGD) or there is no optimizer."""
+    best = 0
+    try:
+        for st in getattr(optimizer, "state", {}).values():
+            step = st.get("step") if isinstance(st, dict) else None
+            if step is not None:
+                best = max(best, int(step.item() if torch.is_tensor(step) else step))
+    except Exception as exc:  # a state it cannot read: number from 0, say why
+        log.warning("rankscope collector: optimizer step count unreadable (%s): steps "
+                    "are numbered from 0; pass start_step= to attach", exc)  # fmt: skip
+        return 0
+    return best
 
 
 @dataclass(slots=True)

@@ -192,3 +192,40 @@ def test_a_framework_callback_that_cannot_attach_says_so_and_training_goes_on(ca
     assert "not attached" in caplog.text and "training goes on" in caplog.text
     model(torch.ones(2, 4)).sum().backward()  # the model is untouched
     attached.stop()
+
+
+def _first_steps(model, opt, name, **kw) -> list[int]:
+    q: queue.Queue = queue.Queue()
+    register_channel(name, q)
+    rc = RankCollector.attach(model, opt, job=name, sink=f"embedded://{name}", rank=0, world=1,
+                              **kw)  # fmt: skip
+    try:
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        rc.close()
+        unregister_channel(name)
+    return [r["step"] for r in iter_channel(q) if r.get("type") == "step"]
+
+
+def test_a_job_restored_from_a_checkpoint_numbers_its_steps_on_from_there():
+    """Steps numbered from 0 again after a restart would be dropped as late by a live
+    pipeline that saw the first run's steps; an Adam-family optimizer's restored state
+    says how many were taken."""
+    model = torch.nn.Linear(4, 1)
+    first = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(5):  # the run before the restart
+        model(torch.ones(2, 4)).sum().backward()
+        first.step()
+        first.zero_grad()
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.1)
+    resumed.load_state_dict(first.state_dict())  # what a checkpoint load does
+    assert _first_steps(model, resumed, "resume-adam") == [5, 6]
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert _first_steps(model, fresh, "resume-fresh") == [0, 1]
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # keeps no count: from 0...
+    assert _first_steps(model, plain, "resume-sgd") == [0, 1]
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # ...unless the loop says
+    assert _first_steps(model, plain, "resume-given", start_step=40) == [40, 41]
