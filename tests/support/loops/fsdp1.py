@@ -8,7 +8,8 @@ attach); the timings, collectives, loss and tokens still are."""
 from __future__ import annotations
 
 import torch
-from support.loops.model import Block, Built, Opts, TinyLM, batch, lm_loss
+from support.loops import fsdp2
+from support.loops.model import Block, Built, Opts, TinyLM
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -27,13 +28,6 @@ def build(rank: int, world: int, opts: Opts, strategy: str = "FULL_SHARD") -> Bu
 
 
 def train(b: Built, rc, rank: int, opts: Opts) -> None:
-    model, opt = b.model, b.optimizer
-    for step in range(opts.steps):
-        x, y = batch(rank, step, 0, opts)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        if opts.clip:
-            model.clip_grad_norm_(opts.clip)
-        rc.loss(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    """FSDP2's loop, clipped by the wrapper's own ``clip_grad_norm_`` (torch's function
+    would take the norm of this rank's shards only)."""
+    fsdp2.train(b, rc, rank, opts, clip=lambda model, max_norm: model.clip_grad_norm_(max_norm))

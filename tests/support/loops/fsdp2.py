@@ -32,13 +32,16 @@ def build(rank: int, world: int, opts: Opts, hsdp: int = 0, reduce_dtype=None) -
     return Built(model, opt, mesh=mesh, topology=mesh if hsdp else None)
 
 
-def train(b: Built, rc, rank: int, opts: Opts) -> None:
+def train(b: Built, rc, rank: int, opts: Opts, clip=None) -> None:
+    """``clip(model, max_norm)``: how the loop clips (default torch's function)."""
     model, opt = b.model, b.optimizer
     for step in range(opts.steps):
         x, y = batch(rank, step, 0, opts)
         loss = lm_loss(model(x), y)
         loss.backward()
-        if opts.clip:
+        if opts.clip and clip is not None:
+            clip(model, opts.clip)
+        elif opts.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
         rc.loss(loss)
         opt.step()
