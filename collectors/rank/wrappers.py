@@ -190,7 +190,7 @@ def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopSha
             shape.fsdp = find_fsdp(target)
         except Exception as exc:
             shape.missing.append(f"FSDP2 internals not understood ({exc}): grad_norm is lost")
-        groups = shape.fsdp.dp_groups() if shape.fsdp else []
+        groups = shape.fsdp.dp_groups() if shape.fsdp else list(shape.dp_groups)  # or FSDP1
         if shape.ddp:
             groups += _dp_groups_of_ddp(target)
         shape.dp_groups = groups
