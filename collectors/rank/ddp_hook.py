@@ -227,4 +227,3 @@ def install_ddp_hook(ddp_model: Any, ctx: HookContext) -> bool:
             exc,
         )
         return False
-

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from rankscope.collectors.rank.ddp_hook import hook_context
+from rankscope.collectors.rank.fsdp import group_key
 from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["DistPatch", "OP_NAMES", "group_label"]
@@ -278,8 +279,7 @@ class DistPatch:
         """A bucket reduction launched by the user's own DDP hook: its launch counts as
         ``comm_s`` and its completion closes the tail backward waits for, as for the
         collector's own hook (``StepState.backward_wait_s``)."""
-        name = lambda g: getattr(g, "group_name", id(g))  # noqa: E731
-        if work is None or (group is not None and name(group) != name(self._foreign)):
+        if work is None or (group is not None and group_key(group) != group_key(self._foreign)):
             return
         st = self._state
         st.comm_s += dt
