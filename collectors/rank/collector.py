@@ -36,6 +36,7 @@ from rankscope.collectors.rank.wrappers import (
     hookable_optimizer,
     inspect_model,
     resumed_step,
+    stage_parts,
 )
 from rankscope.collectors.sinks.factory import make_sink
 from rankscope.collectors.sinks.sender import Sender, SenderStats
@@ -97,7 +98,7 @@ class RankCollector:
     @classmethod
     def attach(
         cls,
-        model: torch.nn.Module,
+        model: torch.nn.Module | list[torch.nn.Module],
         optimizer: torch.optim.Optimizer | None = None,
         *,
         job: str,
@@ -114,7 +115,8 @@ class RankCollector:
         config: CollectorConfig | None = None,
         start_step: int | None = None,
     ) -> RankCollector:
-        """Attach to ``model`` (plain module or DDP) and ``optimizer``; start beating.
+        """Attach to ``model`` (a module, wrapped or not, or a pipeline rank's list of
+        stages) and ``optimizer``; start beating.
 
         Raises ``ValueError`` with a clear message for what can be known to be
         wrong now (a bad sink URL, a topology that does not fit the world); after
@@ -128,11 +130,12 @@ class RankCollector:
                                         ("queue_size", queue_size)) if v is not None}  # fmt: skip
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
-        if optimizer is not None:
-            try:
+        try:
+            model, parts = stage_parts(model)
+            if optimizer is not None:
                 optimizer = hookable_optimizer(optimizer)
-            except ValueError as exc:
-                raise ValueError(f"RankCollector.attach: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"RankCollector.attach: {exc}") from None
         params = list(model.parameters())
         shape = inspect_model(model, params)
         try:
@@ -172,18 +175,19 @@ class RankCollector:
         )
         rc.state.step = resumed_step(optimizer) if start_step is None else int(start_step)
         try:
-            rc._install(model, optimizer, is_ddp, comm_hook, comm_state)
+            rc._install(model, parts, optimizer, is_ddp, comm_hook, comm_state)
             rc._start_control()
         except Exception:
             rc.close()
             raise
         return rc
 
-    def _install(self, model, optimizer, is_ddp: bool, comm_hook, comm_state) -> None:
+    def _install(self, model, parts, optimizer, is_ddp: bool, comm_hook, comm_state) -> None:
         st = self.state
-        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre,
-                                                                 with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._on_forward_post))
+        for part in parts:  # the model, or each pipeline stage this rank holds
+            self._handles.append(part.register_forward_pre_hook(self._on_forward_pre,
+                                                                with_kwargs=True))  # fmt: skip
+            self._handles.append(part.register_forward_hook(self._on_forward_post))
         ddp_model = getattr(model, "_orig_mod", model)  # under a torch.compile wrapper
         if is_ddp:
             ctx = HookContext(
@@ -213,14 +217,9 @@ class RankCollector:
             patch.install()
         st.step_start_perf = time.perf_counter()
         st.phase = "data"
-        self._beat = BeatThread(
-            state=st,
-            job=self.job,
-            rank=self.identity.rank,
-            host=self.identity.host,
-            interval_s=self.config.beat_interval_s,
-            emit=self._sender.put,
-        )
+        me, cfg = self.identity, self.config
+        self._beat = BeatThread(state=st, job=self.job, rank=me.rank, host=me.host,
+                                interval_s=cfg.beat_interval_s, emit=self._sender.put)  # fmt: skip
         self._beat.start()
         atexit.register(self.close)
 

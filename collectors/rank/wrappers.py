@@ -20,7 +20,7 @@ from rankscope.collectors.rank.dtensor import ReplicaLayout, is_dtensor, replica
 from rankscope.collectors.rank.fsdp import FsdpGroups, find_fsdp
 from rankscope.collectors.rank.fsdp1 import Fsdp1Groups, find_fsdp1
 
-__all__ = ["LoopShape", "hookable_optimizer", "inspect_model", "resumed_step"]
+__all__ = ["LoopShape", "hookable_optimizer", "inspect_model", "resumed_step", "stage_parts"]
 
 log = logging.getLogger("rankscope.collectors")
 
@@ -58,6 +58,24 @@ def hookable_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
+def stage_parts(model: Any) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """The module to inspect, and the modules whose forwards the step's compute starts
+    with. A pipeline rank that holds several stages (an interleaved or looped
+    schedule; torchtitan's ``model_parts``) passes them as a list or ``ModuleList``:
+    the schedule calls each part, never the list, so the forward hooks go on the
+    parts. ``ValueError`` for what is not a module or a list of them."""
+    if isinstance(model, (list, tuple)) and model:
+        if not all(isinstance(m, torch.nn.Module) for m in model):
+            raise ValueError("model: a list must hold modules (the rank's pipeline stages)")
+        model = torch.nn.ModuleList(model)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: a {type(model).__name__} is not a torch.nn.Module or a "
+                         "non-empty list of them")  # fmt: skip
+    if isinstance(model, torch.nn.ModuleList) and len(model):
+        return model, list(model)
+    return model, [model]
+
+
 def resumed_step(optimizer: Any) -> int:
     """The optimizer steps already taken, by its state (Adam-family optimizers count
     them per parameter; the largest count): a job restored from a checkpoint goes on
@@ -65,11 +83,12 @@ def resumed_step(optimizer: Any) -> int:
     records the pipeline would drop as late for the job's whole first run length.
     0 where the state keeps no count (plain SGD) or there is no optimizer."""
     best = 0
-    try:
-        for st in getattr(optimizer, "state", {}).values():
-            step = st.get("step") if isinstance(st, dict) else None
-            if step is not None:
-                best = max(best, int(step.item() if torch.is_tensor(step) else step))
+    try:  # a container's (torchtitan's, one optimizer per model part) are its parts'
+        for opt in [optimizer, *(getattr(optimizer, "optimizers", None) or ())]:
+            for st in getattr(opt, "state", {}).values():
+                step = st.get("step") if isinstance(st, dict) else None
+                if step is not None:
+                    best = max(best, int(step.item() if torch.is_tensor(step) else step))
     except Exception as exc:  # a state it cannot read: number from 0, say why
         log.warning("rankscope collector: optimizer step count unreadable (%s): steps "
                     "are numbered from 0; pass start_step= to attach", exc)  # fmt: skip

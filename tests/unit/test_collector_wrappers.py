@@ -229,3 +229,41 @@ def test_a_job_restored_from_a_checkpoint_numbers_its_steps_on_from_there():
     assert _first_steps(model, plain, "resume-sgd") == [0, 1]
     plain = torch.optim.SGD(model.parameters(), lr=0.1)  # ...unless the loop says
     assert _first_steps(model, plain, "resume-given", start_step=40) == [40, 41]
+
+
+def test_a_pipeline_ranks_list_of_stages_is_attached_stage_by_stage():
+    """torchtitan hands a pipeline rank's stages over as a list (``model_parts``) with
+    one optimizer per part in a container: the schedule calls each stage, never the
+    list, so compute starts at the first stage's forward (the time before it is
+    input wait), and a restored container counts its parts' steps."""
+    import time
+
+    from support.loops.pipeline_interleaved import Optimizers
+
+    q: queue.Queue = queue.Queue()
+    register_channel("wrap-parts", q)
+    parts = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    first = Optimizers(parts, lr=0.1)
+    for _ in range(3):  # the run before a restart
+        parts[1](parts[0](torch.ones(2, 4))).sum().backward()
+        first.step()
+        first.zero_grad()
+    opt = Optimizers(parts, lr=0.1)
+    for mine, saved in zip(opt.optimizers, first.optimizers, strict=True):
+        mine.load_state_dict(saved.state_dict())
+    rc = RankCollector.attach(parts, opt, job="p", sink="embedded://wrap-parts", rank=0, world=1)
+    for _ in range(2):
+        time.sleep(0.05)  # the input wait
+        parts[1](parts[0](torch.ones(2, 4))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    rc.close()
+    unregister_channel("wrap-parts")
+    steps = [r for r in iter_channel(q) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [3, 4] and not rc.faults
+    assert all(r["data_s"] >= 0.04 for r in steps[1:]), steps  # the first waits from attach
+    with pytest.raises(ValueError, match="RankCollector.attach: model: a list must hold modules"):
+        RankCollector.attach([parts[0], "head"], opt, job="p", sink="embedded://x", rank=0,
+                             world=1)  # fmt: skip
+    with pytest.raises(ValueError, match="not a torch.nn.Module"):
+        RankCollector.attach({"a": parts[0]}, opt, job="p", sink="embedded://x", rank=0, world=1)
