@@ -281,7 +281,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         done.add(key)
         if gap is not None and gap.hit[members].any():
             continue  # the sustained gap names one of the two (straggler/pair_gap.py)
-        i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
+        with np.errstate(invalid="ignore", divide="ignore"):  # an idle metric's median is 0
+            i = int(np.argmax(np.where(pair[:, row], x[:, row] / c.median[:, row], -np.inf)))
         if named[i, row] or held[row]:
             out.signals.append(_pair_signal(frame, x, i, int(row), members, state, cfg,
                                             int(pstreak[row])))  # fmt: skip

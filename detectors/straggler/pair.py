@@ -45,48 +45,49 @@ def waiting_s(frame: StepFrame) -> np.ndarray | None:
 def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndarray | None:
     """Per pair, how much longer ``other`` waited for ``rows`` than the reverse: the
     ``comm_s`` difference (``waiting_s``), at most how much later ``rows`` arrived at
-    the last symmetric collective the two share alone (their group's; by then the
-    step's lag has built up: DDP's last bucket, a stage's gradient all-reduce). In a
-    pp stage ``comm_s`` also holds a rank's wait for its own upstream stage, which
-    says nothing of who is slow in the pair: a stage-1 rank whose replica's stage 0
-    straggled was named on it. None without ``comm_s`` or collectives."""
+    a symmetric collective the two share alone (their group's), where it was latest.
+    In a pp stage ``comm_s`` also holds a rank's wait for its own upstream stage,
+    which says nothing of who is slow in the pair: a stage-1 rank whose replica's
+    stage 0 straggled was named on it. The latest arrival, not the last collective's:
+    DDP's buckets and a one-stage rank's gradient all-reduce are latest last, but an
+    interleaved schedule's rank holds two stages, and its partner waits out the lag
+    at the first stage's all-reduce; by the second the two arrive together. None
+    without ``comm_s`` or collectives."""
     comm = waiting_s(frame)
-    shared = frame.memo("pair_last_shared", _last_shared)
+    shared = frame.memo("pair_latest_shared", _latest_shared)
     if comm is None and not shared:
         return None
     out = comm[other] - comm[rows] if comm is not None else np.full(rows.size, np.nan)
     for j, (a, b) in enumerate(zip(rows.tolist(), other.tolist(), strict=True)):
         late = shared.get((a, b))
-        if late is None and (late := shared.get((b, a))) is not None:
-            late = -late
         if late is not None:
             out[j] = late if not np.isfinite(out[j]) else min(out[j], late)
     return out
 
 
-def _last_shared(frame: StepFrame) -> dict[tuple[int, int], float]:
-    """(row a, row b), a < b -> how much later a arrived than b (``t0``; without it, b's
-    time inside over a's) at the step's last two-member symmetric collective of exactly
-    a and b (the latest ``t0``, else the highest sequence number)."""
-    last: dict[tuple[int, int], tuple[float, int, float]] = {}
+def _latest_shared(frame: StepFrame) -> dict[tuple[int, int], float]:
+    """(row a, row b) -> the most a arrived after b (``t0``; without it, b's time
+    inside over a's) at one of the step's two-member symmetric collectives of exactly
+    a and b; negative when a was earlier at each. Both orders are keys."""
+    most: dict[tuple[int, int], float] = {}
     if not frame.collectives:
         return {}
-    for (_, _, seq), members in collective_instances(frame).items():
+    for members in collective_instances(frame).values():
         if len(members) != 2 or not all(m[3] in SYMMETRIC for m in members):
             continue
         (ra, sa, ta, _), (rb, sb, tb, _) = sorted(members)
         if ra == rb:
             continue
         if np.isfinite(ta) and np.isfinite(tb):
-            late, when = ta - tb, max(ta, tb)
+            late = ta - tb
         elif np.isfinite(sa) and np.isfinite(sb):
-            late, when = sb - sa, -np.inf
+            late = sb - sa
         else:
             continue
-        key = (when, seq)
-        if (ra, rb) not in last or key > last[(ra, rb)][:2]:
-            last[(ra, rb)] = (when, seq, late)
-    return {k: v[2] for k, v in last.items()}
+        for key, v in (((ra, rb), late), ((rb, ra), -late)):
+            if key not in most or v > most[key]:
+                most[key] = v
+    return most
 
 
 def other_member(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:

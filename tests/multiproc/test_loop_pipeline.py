@@ -118,3 +118,36 @@ def test_pipeline_gpipe_pp2_x_dp3_faults_localized(tmp_path):
     assert not [f for f in found if f[4] == "evict" and set(f[1]) - {SLOW_RANK, FLIP_RANK}]
     others = [f for f in found if f[0] not in ("straggler", "sdc", "nonfinite")]
     assert all(f[4] == "observe" and f[1] == [SLOW_RANK + 3] for f in others), found
+
+
+def test_interleaved_pipeline_with_activation_checkpointing_names_its_straggler(tmp_path):
+    """torchtitan's interleaved shape (``pipeline_interleaved``): two stages per rank
+    handed to attach as a list, an optimizer per stage, blocks checkpointed. Rank 1
+    (stage 0 and 2 of replica 1) is 1.5x slow. Its replica peer, rank 0, waits out the
+    lag at its first stage's all-reduce; by the second the two arrive together, so the
+    pair is attributed on the latest arrival of the step, not the last collective's
+    (with the last one rank 0 was named beside it, unattributed)."""
+    opts = Opts(steps=STEPS, accum=2, clip=None, work_s=0.02)
+    faults = [Fault("straggler", SLOW_RANK, SLOW_FROM, SLOW_UNTIL, factor=1.5)]
+    steps, info, found = run_until_seen("pipeline_interleaved", 4, tmp_path, _slow_seen,
+                                        opts=opts, faults=faults)  # fmt: skip
+    assert sorted(steps) == list(range(STEPS))
+    assert all(sorted(steps[s]) == [0, 1, 2, 3] for s in steps)
+    assert all(not i["faults"] for i in info.values()), info
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(4)]
+        assert [(r["pp"], r["dp"]) for r in recs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for r in recs:
+            ops = [(c["op"], c["group"]) for c in r["collectives"]]
+            assert ops.count(("allreduce", "dp_replicate")) == 2  # one per stage held
+            assert {"send", "recv"} <= {op for op, group in ops if group == "pp"}
+            assert r["data_s"] >= 0 and r["compute_s"] > 2 * opts.work_s  # its stages' forwards
+        assert recs[0]["param_digest"] == recs[1]["param_digest"] != recs[2]["param_digest"]
+        assert recs[2]["param_digest"] == recs[3]["param_digest"]
+        assert all(("loss" in r) == (r["pp"] == 1) for r in recs)  # holders of the last stage
+    slow = med(steps, SLOW_RANK, "compute_s", SLOW)
+    assert slow > 1.3 * med(steps, 0, "compute_s", SLOW), slow
+    slow_f = by_kind(found, "straggler")
+    assert slow_f and all(f[1] == [SLOW_RANK] for f in slow_f), found
+    assert SLOW_FROM <= slow_f[0][2] and slow_f[0][3] <= SLOW_UNTIL, slow_f
+    assert not [f for f in found if f[4] == "evict" and f[1] != [SLOW_RANK]], found

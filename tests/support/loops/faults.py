@@ -1,10 +1,10 @@
 """Faults the tests inject from outside a loop: hooks registered before attach.
 
-* ``straggler``: a forward hook on the model sleeps ``(factor - 1) * work_s``
-  on one rank: that rank's forward is ``factor`` times the model's known
-  device time (``model.Work``). A post-hook, not a pre-hook: a pre-hook
-  registered before attach would run before the collector sees the forward
-  begin, and count as waiting for data.
+* ``straggler``: a forward hook on the model (on each of a pipeline rank's
+  stages) sleeps ``(factor - 1) * work_s`` on one rank: that rank's forward is
+  ``factor`` times the model's known device time (``model.Work``). A post-hook,
+  not a pre-hook: a pre-hook registered before attach would run before the
+  collector sees the forward begin, and count as waiting for data.
 * ``flip``: an optimizer post-hook flips one mantissa bit of one element of
   this rank's LOCAL parameter tensor after the step (a replica's weights
   diverge silently). Registered before attach, so that step's digest sees it.
@@ -64,6 +64,7 @@ def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> 
     count = _Counter()
     injected = count.injected
     mine = [f for f in faults if f.rank == rank]
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]  # pipeline stages
     for f in mine:
         if f.kind == "straggler":
             extra = (f.factor - 1.0) * work_s
@@ -72,9 +73,11 @@ def install(model, optimizer, faults: list[Fault], rank: int, work_s: float) -> 
                 if f.active(count.step):
                     time.sleep(extra)
 
-            model.register_forward_hook(slow)
+            for part in parts:  # each stage a rank holds takes work_s per forward
+                part.register_forward_hook(slow)
         elif f.kind == "flip":
-            target = max(model.parameters(), key=lambda p: local(p).numel())
+            params = [p for part in parts for p in part.parameters()]
+            target = max(params, key=lambda p: local(p).numel())
 
             def flip(opt, args, kwargs, f=f, target=target):
                 if f.active(count.step):
