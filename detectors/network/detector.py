@@ -17,6 +17,7 @@ from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
     excess_floor_s,
     frame_consensus,
+    group_min,
     peer_consensus,
     readings,
     step_reference_s,
@@ -243,10 +244,16 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
         late = late_win = held = np.zeros(n, dtype=bool)
     # own work against its dp peers and against every rank doing the same work (tp
     # partners too: in a dp group of two the median is half the rank itself, and
-    # explains half its lateness); the larger excess is what its own work explains
-    work = peer_consensus(state.work_peers.get(work_group(frame)), x[1:]).median
+    # explains half its lateness); the larger excess is what its own work explains.
+    # A group of two is judged against the other member: a pp stage's straggler
+    # computing 26 ms over its replica was 13 ms over their median, under half the
+    # 37 ms it was awaited, and came out a link (network observes on 1.25x runs)
+    widx = state.work_peers.get(work_group(frame))
+    work = peer_consensus(widx, x[1:])
     with np.errstate(invalid="ignore"):
-        excess = np.fmax(x[1:] - c.median[1:], x[1:] - work)
+        ref = np.where(c.count[1:] == 2, group_min(idx, x[1:]), c.median[1:])
+        wref = np.where(work.count == 2, group_min(widx, x[1:]), work.median)
+        excess = np.fmax(x[1:] - ref, x[1:] - wref)
         own_excess = np.nan_to_num(excess[0:2], nan=0.0).max(axis=0)
         gap_excess = np.nan_to_num(excess[2], nan=0.0)
     # without arrival times the only evidence is a shorter wait: time the record does
