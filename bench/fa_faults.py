@@ -67,7 +67,8 @@ def _straggler(fault: dict, model: torch.nn.Module, opt, clock: StepClock) -> No
             return
         clean.append(max(0.0, time.perf_counter() - st.first_forward_perf - st.comm_s))
 
-    model.register_forward_hook(fwd_post)
+    for part in model if isinstance(model, torch.nn.ModuleList) else [model]:  # pp stages
+        part.register_forward_hook(fwd_post)
     opt.register_step_post_hook(post)
 
 

@@ -8,6 +8,8 @@ mesh of shard size 1 (how torchtitan data-parallelizes a stage), and a 1F1B
 schedule over four micro-batches; the last stage computes the loss. Ranks 0-1
 are stage 0, ranks 2-3 stage 1.
 
+``ppi``: the interleaved schedule (``InterleavedLoop``), two stages per rank.
+
 Faults it can localize: a straggler (a stage's rank slow; its pipeline partner
 only waits, and must not be named) and a slow link (the stage's gradient
 all-reduce over its replicas). A flipped weight has one replica to disagree
@@ -95,4 +97,59 @@ class PPLoop(_TitanLoop):
         self.opt.zero_grad()
 
 
-LOOPS = {"pp": PPLoop}
+class _Part(nn.Module):
+    """One of ``ppi``'s four stages: the embeddings, a block, or the norm and output."""
+
+    def __init__(self, *mods: nn.Module) -> None:
+        super().__init__()
+        self.mods = nn.ModuleList(mods)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for m in self.mods:
+            h = m(h)
+        return h
+
+
+class InterleavedLoop(PPLoop):
+    """torchtitan's interleaved pipeline: four stages over two pp ranks (rank p holds
+    stages p and p + 2), ``ScheduleInterleaved1F1B``, the blocks under activation
+    checkpointing, each stage FSDP2-replicated over dp; the collector gets the list
+    of the rank's stages (torchtitan's ``model_parts``)."""
+
+    style = "ppi"
+
+    def wrap(self) -> list[nn.Module]:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        if self.world % self.pp:
+            raise ValueError(f"ppi style: world {self.world} is not a multiple of pp {self.pp}")
+        mesh = init_device_mesh("cpu", (self.pp, self.world // self.pp, 1),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard"))  # fmt: skip
+        lm, n = self.model, 2 * self.pp
+        every = [_Part(lm.tok_embeddings), *(_Part(checkpoint_wrapper(b)) for b in lm.layers),
+                 _Part(lm.norm, lm.output)]  # fmt: skip
+        if len(every) != n:
+            raise ValueError(f"ppi style: {len(every)} stages for {n} (pp {self.pp} x 2)")
+        p = mesh["pp"].get_local_rank()
+        held = [p, p + self.pp]
+        self.last = n - 1 in held
+        stages = []
+        for i in held:
+            fully_shard(every[i], mesh=mesh["dp_replicate", "dp_shard"],
+                        reshard_after_forward=False)  # fmt: skip
+            stages.append(PipelineStage(every[i], i, n, torch.device("cpu"),
+                                        group=mesh["pp"].get_group()))  # fmt: skip
+        self.model = nn.ModuleList(every[i] for i in held)
+        self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES,
+                                                loss_fn=_loss)  # fmt: skip
+        self.topology = mesh
+        self._finish(mesh["dp_replicate"].get_local_rank())
+        return list(self.model)
+
+
+LOOPS = {"pp": PPLoop, "ppi": InterleavedLoop}
