@@ -45,16 +45,12 @@ def waiting_s(frame: StepFrame) -> np.ndarray | None:
 def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndarray | None:
     """Per pair, how much longer ``other`` waited for ``rows`` than the reverse: the
     ``comm_s`` difference (``waiting_s``), at most how much later ``rows`` arrived at
-    a symmetric collective the two share alone (their group's), where it was latest.
+    the symmetric collectives the two share alone (their group's; ``_shared_lateness``).
     In a pp stage ``comm_s`` also holds a rank's wait for its own upstream stage,
     which says nothing of who is slow in the pair: a stage-1 rank whose replica's
-    stage 0 straggled was named on it. The latest arrival, not the last collective's:
-    DDP's buckets and a one-stage rank's gradient all-reduce are latest last, but an
-    interleaved schedule's rank holds two stages, and its partner waits out the lag
-    at the first stage's all-reduce; by the second the two arrive together. None
-    without ``comm_s`` or collectives."""
+    stage 0 straggled was named on it. None without ``comm_s`` or collectives."""
     comm = waiting_s(frame)
-    shared = frame.memo("pair_latest_shared", _latest_shared)
+    shared = frame.memo("pair_shared_lateness", _shared_lateness)
     if comm is None and not shared:
         return None
     out = comm[other] - comm[rows] if comm is not None else np.full(rows.size, np.nan)
@@ -65,11 +61,19 @@ def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndar
     return out
 
 
-def _latest_shared(frame: StepFrame) -> dict[tuple[int, int], float]:
-    """(row a, row b) -> the most a arrived after b (``t0``; without it, b's time
-    inside over a's) at one of the step's two-member symmetric collectives of exactly
-    a and b; negative when a was earlier at each. Both orders are keys."""
-    most: dict[tuple[int, int], float] = {}
+def _shared_lateness(frame: StepFrame) -> dict[tuple[int, int], float]:
+    """(row a, row b) -> how much later a arrived than b (``t0``; without it, b's time
+    inside over a's) at the step's two-member symmetric collectives of exactly a and
+    b: the sum of its late arrivals, or, when it was early at each, the least early.
+
+    Summed, not the last one's: a rank that holds two pipeline stages all-reduces
+    each, and its partner waits out part of the lag at each (under the interleaved
+    schedule all of it at the first, the two then arriving together at the second;
+    under the V-shaped one about half at each). DDP's buckets repeat one growing
+    lag, so there the sum overstates it and the ``comm_s`` difference is the
+    smaller. Both orders are keys."""
+    late_sum: dict[tuple[int, int], float] = {}
+    least: dict[tuple[int, int], float] = {}
     if not frame.collectives:
         return {}
     for members in collective_instances(frame).values():
@@ -85,9 +89,9 @@ def _latest_shared(frame: StepFrame) -> dict[tuple[int, int], float]:
         else:
             continue
         for key, v in (((ra, rb), late), ((rb, ra), -late)):
-            if key not in most or v > most[key]:
-                most[key] = v
-    return most
+            late_sum[key] = late_sum.get(key, 0.0) + max(v, 0.0)
+            least[key] = max(least.get(key, -np.inf), v)
+    return {k: (late_sum[k] if late_sum[k] > 0 else least[k]) for k in least}
 
 
 def other_member(idx: PeerIndex, rows: np.ndarray) -> np.ndarray:
