@@ -21,7 +21,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 
 __all__ = ["Optimizers", "build", "train"]
 
@@ -52,7 +58,9 @@ class Optimizers(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
 
-def build(rank: int, world: int, opts: Opts, pp: int = 2) -> Built:
+def build(rank: int, world: int, opts: Opts, pp: int = 2, schedule: str = "interleaved") -> Built:
+    """``schedule``: interleaved (1F1B), looped_bfs, zero_bubble (interleaved zero
+    bubble) or zbv (V-shaped placement: rank p holds stages p and 2 pp - 1 - p)."""
     torch.manual_seed(0)
     lm = TinyLM(0.0)
     mesh = init_device_mesh("cpu", (pp, world // pp, 1),
@@ -60,7 +68,7 @@ def build(rank: int, world: int, opts: Opts, pp: int = 2) -> Built:
     inner = [lm.embed, checkpoint_wrapper(lm.blocks[0]), checkpoint_wrapper(lm.blocks[1]),
              lm.head]  # fmt: skip
     p = mesh["pp"].get_local_rank()
-    held = [p, p + pp]
+    held = [p, 2 * pp - 1 - p] if schedule == "zbv" else [p, p + pp]
     parts = [_Stage(inner[i], opts.work_s) for i in held]
     stages = []
     for part, index in zip(parts, held, strict=True):
@@ -68,7 +76,9 @@ def build(rank: int, world: int, opts: Opts, pp: int = 2) -> Built:
         stages.append(PipelineStage(part, index, 2 * pp, torch.device("cpu"),
                                     group=mesh["pp"].get_group()))  # fmt: skip
     loss_fn = lambda logits, y: lm_loss(logits, y)  # noqa: E731
-    sched = ScheduleInterleaved1F1B(stages, n_microbatches=opts.accum, loss_fn=loss_fn)
+    kind = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS,
+            "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[schedule]
+    sched = kind(stages, n_microbatches=opts.accum, loss_fn=loss_fn)
     dp_rank = mesh["dp_replicate"].get_local_rank()
     return Built(parts, Optimizers(parts, opts.lr), schedule=sched, last=2 * pp - 1 in held,
-                 dp_rank=dp_rank, mesh=mesh, topology=mesh)  # fmt: skip
+                 dp_rank=dp_rank, mesh=mesh, topology=mesh, first=0 in held)  # fmt: skip

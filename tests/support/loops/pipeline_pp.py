@@ -49,6 +49,7 @@ class Built:
     schedule: Any = None
     last: bool = False
     dp_rank: int = 0
+    first: bool = False  # holds stage 0 (with ``last``: a V-shaped placement's rank 0)
     mesh: Any = None
     topology: Any = None
 
@@ -75,11 +76,12 @@ def build(rank: int, world: int, opts: Opts, pp: int = 2, schedule: str = "gpipe
 def train(b: Built, rc, rank: int, opts: Opts) -> None:
     for step in range(opts.steps):
         x, y = batch(b.dp_rank, step, 0, opts)  # the dp replicas see different data
+        args = (x,) if b.first or not b.last else ()
         if b.last:
             losses: list = []
-            b.schedule.step(target=y, losses=losses)
+            b.schedule.step(*args, target=y, losses=losses)
             rc.loss(torch.stack(losses).mean())
         else:
-            b.schedule.step(x)
+            b.schedule.step(*args)
         b.optimizer.step()
         b.optimizer.zero_grad(set_to_none=True)
