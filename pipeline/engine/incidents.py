@@ -180,6 +180,11 @@ class IncidentTracker:
         for sig in ordered:
             if not sig.ranks:
                 continue
+            named = self._names_slower(sig)
+            if named is not None:  # its step, without the peer the pair could not clear
+                named.last_step = max(named.last_step, step)
+                touched[id(named)] = named
+                continue
             inc = self._match(sig, step)
             if inc is None:
                 inc = _Incident(self.job, sig, step)
@@ -211,6 +216,17 @@ class IncidentTracker:
                 self.pace.forget(self._closed.pop(key).fid)
         self._open = still
         return out
+
+    def _names_slower(self, sig: Signal) -> _Incident | None:
+        """The open, reported incident that names an unattributed pair signal's slower
+        member alone. A pipeline hides part of a stage straggler's lag in its bubbles,
+        so some of its steps miss the pair rule's wait test and come out unattributed;
+        those steps are the named incident's, not a second finding on the pair."""
+        slower = (sig.evidence or {}).get("slower_rank") if sig.unattributed else None
+        if slower is None or int(slower) not in sig.ranks:
+            return None
+        return next((i for i in self._open if i.kind == sig.kind and i.reported
+                     and not i.unattributed and i.ranks == {int(slower)}), None)  # fmt: skip
 
     def _rival(self, inc: _Incident) -> _Incident | None:
         """An open slowness incident of the other kind on other ranks, reported beside ``inc``.

@@ -139,6 +139,30 @@ def test_transient_signals_are_not_findings_but_unattributed_ones_are_reported()
     assert g.action == "observe"
 
 
+def test_a_pairs_unattributed_steps_belong_to_the_member_it_already_names():
+    """A V-shaped pipeline schedule hides part of a stage straggler's lag in its
+    bubbles, so some of its steps miss the pair rule's wait test and come out
+    unattributed (the pair, ``slower_rank`` the named one): those keep the named
+    incident going instead of opening a second finding on the pair (test_loop_pipeline,
+    zbv: ``[1]`` steps 8-13, then ``[0, 1]`` steps 15-16)."""
+
+    def pair(slower):
+        return Signal(kind="straggler", ranks=(0, 1), detector="d", score=1.2,
+                      severity="transient", evidence={"slower_rank": slower},
+                      unattributed=True)  # fmt: skip
+
+    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+    for s in range(8, 14):
+        tr.update(s, float(s), [_sig([1], step_ev=2 if s == 8 else None)], _hosts)
+    for s in range(14, 20):
+        tr.update(s, float(s), [pair(1)], _hosts)
+    (f,) = tr.findings.values()
+    assert (f.ranks, f.first_step, f.last_step) == ([1], 7, 19)
+    tr.update(20, 20.0, [pair(0)], _hosts)  # the other member slower: that is news
+    tr.update(21, 21.0, [pair(0)], _hosts)
+    assert sorted(f.ranks for f in tr.findings.values()) == [[0, 1], [1]]
+
+
 def test_a_lone_shorter_wait_is_reported_from_its_second_signal():
     # one step of "it waited least" is a crowded host's jitter as often as a slow link
     # (one-step network observes on clean tp and tutorial runs, bench_false_alarms)
