@@ -155,7 +155,12 @@ def test_interleaved_pipeline_with_activation_checkpointing_names_its_straggler(
         assert all(("loss" in r) == (r["pp"] in last) for r in recs)  # the last stage's
     slow = med(steps, SLOW_RANK, "compute_s", SLOW)
     assert slow > 1.3 * med(steps, 0, "compute_s", SLOW), slow
-    slow_f = by_kind(found, "straggler")
-    assert slow_f and all(f[1] == [SLOW_RANK] for f in slow_f), found
-    assert SLOW_FROM <= slow_f[0][2] and slow_f[0][3] <= SLOW_UNTIL, slow_f
+    slow_f = [f for f in by_kind(found, "straggler") if f[1] == [SLOW_RANK]]
+    assert slow_f and SLOW_FROM <= slow_f[0][2] and slow_f[0][3] <= SLOW_UNTIL, found
+    # under zbv the peer waits out only ~20 ms of a 45 ms excess (the rest hides in
+    # the bubbles), so a step or two may miss the pair rule's wait test: the pair
+    # comes out unattributed (observe), about 1 run in 6 before the rank is named
+    pair = [f for f in by_kind(found, "straggler") if f[1] != [SLOW_RANK]]
+    assert not pair or (schedule == "zbv" and all(
+        f[1] == [0, SLOW_RANK] and f[4] == "observe" for f in pair)), found  # fmt: skip
     assert not [f for f in found if f[4] == "evict" and f[1] != [SLOW_RANK]], found
