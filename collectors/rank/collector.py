@@ -138,6 +138,7 @@ class RankCollector:
             raise ValueError(f"RankCollector.attach: {exc}") from None
         params = list(model.parameters())
         shape = inspect_model(model, params)
+        params = [p for p in params if id(p) not in shape.private]  # the replicated ones
         try:
             ident = resolve_identity(
                 rank=rank,

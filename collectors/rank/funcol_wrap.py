@@ -9,8 +9,11 @@ rank blocks later, when the result is first used, in that module's
 bytes; the wait's seconds on the training thread are added to that entry's
 ``s`` and to ``comm_s`` (on CUDA bracketed with timing events,
 ``device_timing``). A wait whose launch was not seen (a result made before
-attach) still counts as ``comm_s``. While ``torch.compile`` traces, the
-wrappers pass straight through (the compiled graph's collectives are not seen).
+attach) still counts as ``comm_s``. Loops call them on plain tensors too (a
+mixture of experts' ``all_to_all_single_autograd``), so they are wrapped for
+every model. Their backward runs in autograd's C++ and is not seen. While
+``torch.compile`` traces, the wrappers pass straight through (the compiled
+graph's collectives are not seen).
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ def build_patches(
     dist_patch = DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
                            timing=timing, ddp=ddp, foreign_hook_group=foreign)  # fmt: skip
     out.all += [out.works, dist_patch]
-    if shape is not None and shape.dtensor:
-        out.funcol = FuncolPatch(st, label, me, faults, timing)
-        out.all.append(out.funcol)
+    # DTensor calls functional collectives, and so do loops of plain tensors (a
+    # mixture of experts' all_to_all_single_autograd): wrapped whatever the model
+    out.funcol = FuncolPatch(st, label, me, faults, timing)
+    out.all.append(out.funcol)
     out.all.append(ClipPatch(st, rc._params, me))
     return out

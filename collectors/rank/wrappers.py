@@ -111,6 +111,7 @@ class LoopShape:
     dp_groups: list[Any] = field(default_factory=list)  # groups gradients are reduced over
     mesh: Any = None  # the DTensor parameters' mesh when it spans the world
     digest: bool = True  # param_digest compares replicas (False: nothing replicated)
+    private: frozenset[int] = frozenset()  # ids of parameters no replica shares (DDP ignores)
     missing: list[str] = field(default_factory=list)
 
     @property
@@ -125,6 +126,24 @@ class LoopShape:
         if self.tp:
             parts.append("TP")
         return "+".join(parts) or "plain"
+
+
+def _ddp_private(shape: LoopShape, ddp: Any) -> None:
+    """Parameters DDP was told to leave alone (``parameters_to_ignore``: a mixture of
+    experts' own experts, say) are not replicas: kept out of the digest and the
+    reduced norm, said once."""
+    names = set(getattr(ddp, "parameters_to_ignore", None) or ())
+    inner = getattr(ddp, "module", None)
+    if not names or inner is None:
+        return
+    private = [p for n, p in inner.named_parameters() if n in names]
+    if not private:
+        return
+    shape.private = frozenset(id(p) for p in private)
+    shape.missing.append(
+        f"param_digest, grad_norm_reduced: the {len(private)} parameters DDP ignores "
+        "(each rank's own, e.g. experts) are left out; the replica votes do not cover them"
+    )
 
 
 def _dp_groups_of_ddp(model: Any) -> list[Any]:
@@ -202,7 +221,9 @@ def inspect_model(model: torch.nn.Module, params: list[torch.Tensor]) -> LoopSha
                 ".grad after the reduction and comm_s misses it"
             )
             break
-    if not shape.ddp:
+    if shape.ddp:
+        _ddp_private(shape, target)
+    else:
         _inspect_fsdp1(shape, target)
     if shape.dtensor:
         try:
