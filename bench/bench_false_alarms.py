@@ -4,9 +4,9 @@ Records clean runs of the loop styles people write (``fa_loops.py``:
 nanoGPT-like DDP with accumulation and clipping, the same with train.py's
 master-only eval and checkpoints, DDP-tutorial-like, AMP; ``fa_sharded.py``:
 torchtitan-like FSDP2 and tensor parallel 2 x FSDP2; ``fa_pipeline.py``: 1F1B
-over two stages), 4 real gloo ranks (``--world``) on whatever host this is (a
-loaded 2-core one is the point), with
-the real collector on a file:// sink, plus runs with each fault kind that can
+over two stages; ``fa_moe.py``: experts spread over the ranks), 4 real gloo
+ranks (``--world``) on whatever host this is (a loaded 2-core one is the
+point), with the real collector on a file:// sink, plus runs with each fault kind that can
 be localized under the style injected from outside the loop (``fa_faults.py``);
 then replays every trace through ``rankscope.pipeline.offline.replay`` and
 prints findings per 100 clean runs by action and kind (and per style), and

@@ -9,7 +9,7 @@ behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
 seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
 The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``, the pipelined one in
 ``fa_pipeline.py``, the Trainer-shaped one with variable-length batches in
-``fa_varlen.py``.
+``fa_varlen.py``, the mixture of experts in ``fa_moe.py``.
 
 Every loop has ``wrap()`` (the module the collector attaches to; the
 optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
@@ -29,6 +29,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from fa_moe import LOOPS as MOE
 from fa_pipeline import LOOPS as PIPELINE
 from fa_sharded import LOOPS as SHARDED
 from fa_varlen import LOOPS as VARLEN
@@ -265,7 +266,7 @@ class NanoGPTMasterLoop(NanoGPTLoop):
 
 
 LOOPS = {"nanogpt": NanoGPTLoop, "nanogpt_master": NanoGPTMasterLoop, "tutorial": TutorialLoop,
-         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN}  # fmt: skip
+         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN, **MOE}  # fmt: skip
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):

@@ -1,11 +1,12 @@
 """The false-alarm bench's sharded, AMP and pipelined loop styles record traces that score.
 
-One spawn of 4 real gloo ranks records four short runs the way
+One spawn of 4 real gloo ranks records seven short runs the way
 ``bench/bench_false_alarms.py --record`` does: an FSDP2 run and a tensor-
 parallel run, each with a NaN injected on rank 1 (under tp the NaN reaches its
 tp partner's gradients in the same step, but only rank 1's loss), a clean AMP
-run, a clean pp 2 x dp 2 run and a clean Trainer-shaped run of variable-length
-batches called with keywords (``model(**batch)``); then ``score_corpus`` replays them through the
+run, a clean pp 2 x dp 2 run, a clean Trainer-shaped run of variable-length
+batches called with keywords (``model(**batch)``) and two clean mixture-of-experts
+runs (both ways of moving tokens); then ``score_corpus`` replays them through the
 detectors.
 """
 
@@ -50,6 +51,8 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
         {"name": "clean-pp-0003", "style": "pp", "seed": 3, "steps": STEPS, "fault": None},
         {"name": "clean-varlen-0004", "style": "varlen", "seed": 4, "steps": STEPS,
          "fault": None},
+        {"name": "clean-moe-0005", "style": "moe", "seed": 5, "steps": STEPS, "fault": None},
+        {"name": "clean-moe-0006", "style": "moe", "seed": 6, "steps": STEPS, "fault": None},
     ]  # fmt: skip
     record_batch(runs, tmp_path)
 
@@ -81,8 +84,15 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
     assert all(t > 0 and t % 8 == 0 for row in tokens for t in row), tokens
     assert sum(len(set(row)) > 1 for row in tokens) >= STEPS // 2, tokens
 
+    for name, tokens_moved in (("clean-moe-0005", 2), ("clean-moe-0006", 4)):  # functional, c10d
+        moe = _steps(tmp_path / name)
+        # the experts differ from rank to rank: only the dense replicas are digested
+        assert all(len({moe[s][r]["param_digest"] for r in range(4)}) == 1 for s in moe)
+        a2a = [c for c in moe[3][0]["collectives"] if c["op"] == "alltoall"]
+        assert len(a2a) == 2 * (1 + tokens_moved), a2a  # per layer: counts, tokens
+
     s = score_corpus(tmp_path)
-    assert s["clean_runs"] == {"amp": 1, "pp": 1, "varlen": 1} and s["bad"] == 0
+    assert s["clean_runs"] == {"amp": 1, "pp": 1, "varlen": 1, "moe": 2} and s["bad"] == 0
     assert not [k for k in s["clean"] if k[0] in ("evict", "recover")], s["details"]
     hit = s["faults"][("nonfinite", "fsdp2")]
     assert hit["runs"] == 1 and hit["found"] == 1 and hit["lat"] == [0], s["details"]
