@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["StepFrame", "METRIC_COLUMNS", "COORD_NAMES", "NAMED_BITS"]
+__all__ = ["StepFrame", "METRIC_COLUMNS", "COORD_NAMES", "NAMED_BITS", "diverged", "work_group"]
 
 # Numeric columns of ``StepFrame.m`` (float64, NaN when a rank did not report it).
 METRIC_COLUMNS = (
@@ -109,3 +109,23 @@ def work_group(frame: StepFrame) -> np.ndarray:
             v = frame.coords[c]
             key = key * (int(v.max()) + 1 if v.size else 1) + v
     return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
+
+
+def diverged(frame: StepFrame) -> bool:
+    """Every rank's local gradient is non-finite this step (all report ``nonfinite``).
+
+    Then the job has diverged: a reduced NaN made every replica's weights NaN, and
+    what the ranks compute is no longer the model's work (a mixture of experts
+    routes every NaN token to the same experts, whose rank then does all of it).
+    The timing detectors leave such steps alone; the NaN's origin was named at
+    the step it appeared, when the other ranks' gradients were still finite.
+    """
+    return bool(frame.memo("diverged", _diverged))
+
+
+def _diverged(frame: StepFrame) -> bool:
+    nf = frame.m.get("nonfinite")
+    if nf is None or frame.n < 2:
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(nf > 0))  # a NaN reading (not reported) compares False

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.frame import StepFrame, work_group
+from rankscope.detectors.frame import StepFrame, diverged, work_group
 from rankscope.detectors.network.late_arrival import LastArrivalScan, min_count
 from rankscope.detectors.network.late_window import late_residual_hits
 from rankscope.detectors.network.waits import Waits, collective_waits
@@ -141,6 +141,8 @@ class NetworkState(PartsState):
         self.window = make_window(cfg)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
+        if diverged(frame):  # not the model's work: nothing to learn (``detect``)
+            return
         self.history.learn(frame.rank, frame.m, clean_mask)
         clean_frac = float(np.mean(clean_mask)) if clean_mask.size else 0.0
         self.window.learn(clean_frac, frame.step)
@@ -191,7 +193,7 @@ def detect(frame: StepFrame, state: NetworkState, cfg: NetworkConfig) -> Detecto
     """The rank or link its peers' collectives wait for, persistently."""
     out = DetectorOutput()
     n = frame.n
-    if n == 0:
+    if n == 0 or diverged(frame):  # NaN weights everywhere: timing blames no one
         return out
     idx = state.peers.get(frame.group)
     nan = np.full(n, np.nan)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.frame import StepFrame, work_group
+from rankscope.detectors.frame import StepFrame, diverged, work_group
 from rankscope.detectors.gpu.readings import gpu_context
 from rankscope.detectors.signal import DetectorOutput, Signal
 from rankscope.detectors.stats.consensus import (
@@ -143,6 +143,8 @@ class StragglerState(PartsState):
         self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
+        if diverged(frame):  # not the model's work: nothing to learn (``detect``)
+            return
         own = clean_mask
         if self.suspect is not None and self.suspect[0] == frame.step:
             # a row its pair flagged this step does not teach its own history: the pair
@@ -161,7 +163,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     """A rank whose own compute or input time is persistently slower than its peers'."""
     out = DetectorOutput()
     n = frame.n
-    if n == 0:
+    if n == 0 or diverged(frame):  # NaN weights everywhere: timing blames no one
         return out
     idx = state.peers.get(work_group(frame))  # tp partners do the same work as dp peers
     x = readings(frame, cfg.metrics)

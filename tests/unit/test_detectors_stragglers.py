@@ -459,3 +459,25 @@ def test_a_rank_with_long_batches_in_a_quiet_job_is_not_a_straggler():
     no_tokens = [make_frame(lay, f.step, {k: v for k, v in f.m.items() if k != "tokens"})
                  for f in frames]
     assert {r for _, r in blamed(run(S, no_tokens)[0])} == {2}  # without tokens it would be
+
+
+def test_a_diverged_job_is_not_judged_for_timing():
+    """Once every rank's local gradient is non-finite (a reduced NaN made the weights
+    NaN everywhere) a rank's compute is not the model's work any more: a mixture of
+    experts sends every NaN token to one rank's experts. No blame, nothing learnt."""
+    from rankscope.detectors.frame import diverged
+
+    rng = np.random.default_rng(3)
+    lay = layout(8)
+    frames = timing_frames(lay, 30, rng, slow=5, factor=2.0, onset=12)
+    for f in frames[12:]:
+        f.m["nonfinite"] = np.full(f.n, 4.0)  # the job diverged at step 12
+    frames[11].m["nonfinite"] = np.where(frames[11].rank == 2, 1.0, 0.0)  # the NaN's origin
+    assert [diverged(f) for f in frames[10:13]] == [False, False, True]
+    outs, state = run(S, frames)
+    assert not blamed(outs) and not blamed(outs, attributed=False)
+    assert state.history.assess(np.array([5]), "compute_s")[0][0] == 12  # steps learnt
+    # the same slowdown in a job whose gradients stay finite is found
+    outs, _ = run(S, timing_frames(lay, 30, np.random.default_rng(3), slow=5, factor=2.0,
+                                   onset=12))  # fmt: skip
+    assert {r for _, r in blamed(outs)} == {5}
