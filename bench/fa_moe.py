@@ -15,8 +15,8 @@ experts, so there is nothing to reduce them with.
 Two things set it apart from a dense loop: the ranks do NOT hold the same
 parameters (only the dense ones are replicas), and a rank's compute depends
 on how many tokens the router sent its experts this step, which moves from
-step to step and can favour one rank's experts for a while. Neither is a
-fault.
+step to step and can favour one rank's experts for a while (``moe_skew``).
+Neither is a fault.
 """
 
 from __future__ import annotations
@@ -65,9 +65,13 @@ class MoELayer(nn.Module):
     """Top-k routing over ``experts`` experts, ``experts // world`` of them local."""
 
     def __init__(self, d: int, experts: int, world: int, rank: int, top_k: int = 2,
-                 functional: bool = False) -> None:  # fmt: skip
+                 functional: bool = False, favour: float = 0.0) -> None:  # fmt: skip
         super().__init__()
-        self.router = nn.Linear(d, experts, bias=False)
+        self.router = nn.Linear(d, experts, bias=bool(favour))
+        if favour:  # a router that leans to rank 0's experts
+            with torch.no_grad():
+                self.router.bias.zero_()
+                self.router.bias[: experts // world] = favour
         self.local, self.world, self.rank = experts // world, world, rank
         self.experts, self.top_k, self.functional = experts, top_k, functional
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank's own experts
@@ -124,12 +128,12 @@ class _Block(nn.Module):
 
 class TinyMoEGPT(nn.Module):
     def __init__(self, rank: int, world: int, functional: bool, vocab: int = 1024,
-                 block: int = 32, d: int = 64, layers: int = 2, experts: int = 8
-                 ) -> None:  # fmt: skip
+                 block: int = 32, d: int = 64, layers: int = 2, experts: int = 8,
+                 favour: float = 0.0) -> None:  # fmt: skip
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
         self.blocks = nn.ModuleList(
-            _Block(d, MoELayer(d, experts, world, rank, functional=functional))
+            _Block(d, MoELayer(d, experts, world, rank, functional=functional, favour=favour))
             for _ in range(layers))  # fmt: skip
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -155,10 +159,11 @@ class MoELoop:
     ddp = True
     topology = None
     faults = ("straggler", "sdc-param", "nonfinite", "network")
+    favour = 0.0
 
     def __init__(self, rank: int, world: int, seed: int, steps: int) -> None:
         torch.manual_seed(seed)  # the dense weights alike on every rank
-        self.model = TinyMoEGPT(rank, world, functional=seed % 2 == 1)
+        self.model = TinyMoEGPT(rank, world, functional=seed % 2 == 1, favour=self.favour)
         self.steps, self.block, self.batch = steps, 32, 8
         self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
         self.data = torch.randint(0, 1024, (20_000,), generator=self.gen)
@@ -186,4 +191,14 @@ class MoELoop:
         rc.loss(loss.detach())
 
 
-LOOPS = {"moe": MoELoop}
+class SkewedMoELoop(MoELoop):
+    """``moe`` whose router starts out leaning to rank 0's experts (a bias of 1.5 on
+    their logits, as a router that collapsed early in training does): rank 0 computes
+    for most of the tokens, 1.2-1.3x its peers, until the balance loss evens it out
+    (60-80 steps). Busy, not slow."""
+
+    style = "moe_skew"
+    favour = 1.5
+
+
+LOOPS = {"moe": MoELoop, "moe_skew": SkewedMoELoop}

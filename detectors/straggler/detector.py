@@ -26,6 +26,7 @@ from rankscope.detectors.stats.history import RankHistory
 from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
+from rankscope.detectors.straggler.expert_load import expert_busy
 from rankscope.detectors.straggler.lead import leading
 from rankscope.detectors.straggler.lead_chance import LeadChance
 from rankscope.detectors.straggler.pair import pair_named
@@ -171,7 +172,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     out.scores = c.scores(cfg.metrics)
     floors = np.full((len(cfg.metrics), 1), cfg.min_excess_s)  # per metric: _floors
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
-    win = window_hits(frame, idx, c, state.window, state.tokens, cfg) if cfg.window_metric else None
+    win = None
+    if cfg.window_metric:
+        busy = expert_busy(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
+        win = window_hits(frame, idx, c, state.window, state.tokens, cfg, busy)
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
         xw = x[cfg.metrics.index(cfg.window_metric)]
@@ -363,16 +367,18 @@ def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:
 
 def _sped_up_of(frame, idx, c, state, cfg):
     """``of(rows)``: of ``rows``, those whose lead on the windowed metric is their peers'
-    speed-up. Computed once a step, on the first call that needs it (the step asks twice,
-    for the confirmed rows and the window's; nothing it reads changes in between)."""
+    speed-up, or their experts' share of the tokens (``expert_load.py``). Computed once
+    a step, on the first call that needs it (the step asks twice, for the confirmed rows
+    and the window's; nothing it reads changes in between)."""
     memo: list[np.ndarray] = []
 
     def of(rows: np.ndarray) -> np.ndarray:
         if not (rows.any() and cfg.window_metric):
             return np.zeros(frame.n, dtype=bool)
         if not memo:
-            memo.append(peers_sped_up(frame, idx, c, state, cfg.metrics.index(cfg.window_metric),
-                                      cfg))  # fmt: skip
+            i = cfg.metrics.index(cfg.window_metric)
+            memo.append(peers_sped_up(frame, idx, c, state, i, cfg)
+                        | expert_busy(frame, idx, c, i, cfg))  # fmt: skip
         return rows & memo[0]
 
     return of

@@ -84,13 +84,18 @@ def _uses_tokens(frame: StepFrame, x: np.ndarray, cfg) -> bool:
     return bool(have.any() and ok[have].all())
 
 
-def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg) -> WindowResult:
-    """Advance the windows by this step; rows the windowed test names now."""
+def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg,
+                busy: np.ndarray | None = None) -> WindowResult:  # fmt: skip
+    """Advance the windows by this step; rows the windowed test names now. ``busy``:
+    rows whose lead this step is work of their own (``expert_load.py``), evidence of
+    nothing: their step is left out of the windows and of the group's spread."""
     n = frame.n
     i = cfg.metrics.index(cfg.window_metric)
     x = c.x[i]
     per_token = _uses_tokens(frame, x, cfg)
     ref, log_ratio, rel_sigma, count = _relative(frame, idx, c, i, model if per_token else None)
+    if busy is not None and busy.any():  # no reading this step: nothing for or against
+        log_ratio = np.where(busy, np.nan, log_ratio)
     with np.errstate(invalid="ignore", divide="ignore"):
         z, scale, raw = ws.standardize(idx, log_ratio, count, rel_sigma, raw=True)
     res = ws.update(frame.rank, z, log_ratio, x - ref, scale)

@@ -481,3 +481,31 @@ def test_a_diverged_job_is_not_judged_for_timing():
     outs, _ = run(S, timing_frames(lay, 30, np.random.default_rng(3), slow=5, factor=2.0,
                                    onset=12))  # fmt: skip
     assert {r for _, r in blamed(outs)} == {5}
+
+
+def _with_alltoall(frames, volume):
+    """The frames again, each rank's step carrying one all-to-all of ``volume[rank]`` bytes."""
+    from rankscope.detectors.frame import StepFrame
+
+    out = []
+    for f in frames:
+        colls = [[{"op": "alltoall", "group": "world", "seq": f.step + 1, "s": 0.001,
+                   "bytes": int(volume[r])}] for r in f.rank]  # fmt: skip
+        out.append(StepFrame(job=f.job, step=f.step, world=f.world, rank=f.rank, host=f.host,
+                             group=f.group, coords=f.coords, m=f.m, digest=f.digest,
+                             collectives=colls))  # fmt: skip
+    return out
+
+
+def test_a_rank_whose_experts_get_more_tokens_is_busy_not_slow():
+    """Expert parallelism: the rank the router favours computes more and moves more of
+    the all-to-all traffic; a slow device moves its share only (expert_load.py)."""
+    lay = layout(8)
+    loaded = np.full(8, 1_000_000)
+    loaded[3] = 1_900_000  # its experts take nearly twice their share of the tokens
+    frames = timing_frames(lay, 40, np.random.default_rng(5), slow=3, factor=1.3, onset=10)
+    outs, _ = run(S, _with_alltoall(frames, loaded))
+    assert not blamed(outs) and not blamed(outs, attributed=False)
+    frames = timing_frames(lay, 40, np.random.default_rng(5), slow=3, factor=1.3, onset=10)
+    outs, _ = run(S, _with_alltoall(frames, np.full(8, 1_000_000)))  # a fair router
+    assert {r for _, r in blamed(outs)} == {3}
