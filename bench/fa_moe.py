@@ -140,13 +140,13 @@ class TinyMoEGPT(nn.Module):
         self.register_buffer("mask", torch.triu(torch.ones(block, block, dtype=torch.bool), 1))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
-        for b in self.blocks:
-            x = b(x, self.mask[:t, :t])
-        logits = self.head(self.ln_f(x))
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return loss + 0.01 * sum(b.moe.aux for b in self.blocks)
+        mask = self.mask[: idx.shape[1], : idx.shape[1]]
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            h = block(h, mask)
+        aux = sum(block.moe.aux for block in self.blocks)  # the balance loss
+        logits = self.head(self.ln_f(h)).flatten(0, 1)
+        return F.cross_entropy(logits, targets.flatten()) + 0.01 * aux
 
     def expert_names(self) -> list[str]:
         return [n for n, _ in self.named_parameters() if ".moe.w" in n]
