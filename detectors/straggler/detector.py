@@ -174,7 +174,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
     win = None
     if cfg.window_metric:
-        busy = expert_busy(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg)
+        busy = expert_busy(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
+                           state.history)  # fmt: skip
         win = window_hits(frame, idx, c, state.window, state.tokens, cfg, busy)
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
@@ -378,7 +379,7 @@ def _sped_up_of(frame, idx, c, state, cfg):
         if not memo:
             i = cfg.metrics.index(cfg.window_metric)
             memo.append(peers_sped_up(frame, idx, c, state, i, cfg)
-                        | expert_busy(frame, idx, c, i, cfg))  # fmt: skip
+                        | expert_busy(frame, idx, c, i, cfg, state.history))  # fmt: skip
         return rows & memo[0]
 
     return of

@@ -503,9 +503,15 @@ def test_a_rank_whose_experts_get_more_tokens_is_busy_not_slow():
     lay = layout(8)
     loaded = np.full(8, 1_000_000)
     loaded[3] = 1_900_000  # its experts take nearly twice their share of the tokens
-    frames = timing_frames(lay, 40, np.random.default_rng(5), slow=3, factor=1.3, onset=10)
+    frames = timing_frames(lay, 40, np.random.default_rng(5), slow=3, factor=1.3, onset=0)
     outs, _ = run(S, _with_alltoall(frames, loaded))
     assert not blamed(outs) and not blamed(outs, attributed=False)
+    # its device fails too: 1.5x over its own loaded pace is slow, whatever its load
+    for f in frames[20:]:
+        f.m["compute_s"][3] *= 1.5
+    outs, _ = run(S, _with_alltoall(frames, loaded))
+    hits = blamed(outs)
+    assert {r for _, r in hits} == {3} and 20 <= min(i for i, _ in hits) <= 23
     frames = timing_frames(lay, 40, np.random.default_rng(5), slow=3, factor=1.3, onset=10)
     outs, _ = run(S, _with_alltoall(frames, np.full(8, 1_000_000)))  # a fair router
     assert {r for _, r in blamed(outs)} == {3}
