@@ -172,7 +172,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     out.scores = c.scores(cfg.metrics)
     floors = np.full((len(cfg.metrics), 1), cfg.min_excess_s)  # per metric: _floors
     few = int(c.count.min()) < 3  # some group has fewer than three reporting peers
-    win = None
+    win = busy = None
     if cfg.window_metric:
         busy = expert_busy(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
                            state.history)  # fmt: skip
@@ -235,7 +235,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         named[:, victims] = False
         lead &= ~victims
     dev = hit.any(axis=0)
-    sped_up = _sped_up_of(frame, idx, c, state, cfg)
+    sped_up = _sped_up_of(frame, idx, c, state, cfg, busy)
     if dev.any() or state.streaks.open():  # else nothing to advance or reset
         strong = _strong(hit, win, cfg)
         confirmed, streak = state.streaks.update(frame.rank, hit, strong, cfg)
@@ -366,11 +366,11 @@ def _victims(frame, c, hit, win, state, cfg) -> np.ndarray:
     return pipeline_victims(frame, slow, rel, np.asarray(standing))
 
 
-def _sped_up_of(frame, idx, c, state, cfg):
+def _sped_up_of(frame, idx, c, state, cfg, busy):
     """``of(rows)``: of ``rows``, those whose lead on the windowed metric is their peers'
-    speed-up, or their experts' share of the tokens (``expert_load.py``). Computed once
-    a step, on the first call that needs it (the step asks twice, for the confirmed rows
-    and the window's; nothing it reads changes in between)."""
+    speed-up, or their experts' share of the tokens (``busy``, from ``expert_load.py``).
+    Computed once a step, on the first call that needs it (the step asks twice, for the
+    confirmed rows and the window's; nothing it reads changes in between)."""
     memo: list[np.ndarray] = []
 
     def of(rows: np.ndarray) -> np.ndarray:
@@ -378,8 +378,7 @@ def _sped_up_of(frame, idx, c, state, cfg):
             return np.zeros(frame.n, dtype=bool)
         if not memo:
             i = cfg.metrics.index(cfg.window_metric)
-            memo.append(peers_sped_up(frame, idx, c, state, i, cfg)
-                        | expert_busy(frame, idx, c, i, cfg, state.history))  # fmt: skip
+            memo.append(peers_sped_up(frame, idx, c, state, i, cfg) | busy)
         return rows & memo[0]
 
     return of

@@ -13,8 +13,8 @@ measures its load: those runs read 1.7-2.3x the group median on the loaded
 rank. The volume also carries what every rank moves alike (each token goes
 there and back), so its excess is about half the load's: a rank whose volume
 is at least ``min_ratio`` its group's median, with an excess at least half its
-compute lead's, is busy that step. It is not named, and the step enters the
-windows at its peers' level. A slow device moves no more tokens than its
+compute lead's, is busy that step. It is not named, and its step is left out
+of the windows (no reading, for or against). A slow device moves no more tokens than its
 peers: in 48 clean balanced `moe` runs the volume ratio was under 1.1 in 97 %
 of rank-steps and never reached 1.25, so a straggler's lead is seldom
 covered. The favoured rank's own device can fail too: a rank that computes
