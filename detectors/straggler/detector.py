@@ -32,6 +32,7 @@ from rankscope.detectors.straggler.lead_chance import LeadChance
 from rankscope.detectors.straggler.pair import pair_named
 from rankscope.detectors.straggler.pair_gap import PairGap, pair_gap_hits, pair_gap_signal
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
+from rankscope.detectors.straggler.slowest_count import SlowestCount, slowest_hits, slowest_signal
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel
@@ -77,6 +78,7 @@ class StragglerConfig(ConsensusConfig):
     lead_chance_cap: int = 2  # ...and each asks one more lead of every run, up to this
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
+    slowest_steps: int = 16  # often the slowest (straggler/slowest_count.py): window; 0: off
 
     def __post_init__(self) -> None:
         ConsensusConfig.__post_init__(self)  # zero-argument super() fails on slotted dataclasses
@@ -111,6 +113,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
             raise ValueError("pair_gap_steps must be >= 0 and pair_gap_ratio > 1")
+        if not 0 <= self.slowest_steps <= 256:
+            raise ValueError("slowest_steps must be in [0, 256]")
         if self.window_metric and self.window_metric not in self.metrics:
             raise ValueError("window_metric must be one of metrics (or empty)")
 
@@ -120,10 +124,10 @@ class StragglerState(PartsState):
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
                  "lead", "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
-                 "named_rate", "suspect", "pair_gap")  # fmt: skip
+                 "named_rate", "suspect", "pair_gap", "slowest")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
              "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
-             "named_rate", "pair_gap")  # fmt: skip
+             "named_rate", "pair_gap", "slowest")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -142,6 +146,7 @@ class StragglerState(PartsState):
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
         self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps)
+        self.slowest = SlowestCount(cfg.slowest_steps)  # slowest-of-group counts
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         if diverged(frame):  # not the model's work: nothing to learn (``detect``)
@@ -177,6 +182,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         busy = expert_busy(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
                            state.history)  # fmt: skip
         win = window_hits(frame, idx, c, state.window, state.tokens, cfg, busy)
+    wi = cfg.metrics.index(cfg.window_metric) if cfg.window_metric else 0
+    most = None  # often its group's slowest (straggler/slowest_count.py)
+    if cfg.window_metric and cfg.slowest_steps:
+        rel = win.step_ratio if win is not None and win.per_token else None
+        most = slowest_hits(frame, idx, c, wi, state.slowest, cfg, busy, state.window, rel)
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
         xw = x[cfg.metrics.index(cfg.window_metric)]
@@ -257,6 +267,11 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         for row in np.flatnonzero(win.hit & ~sped & ~victims):
             if int(frame.rank[row]) not in said:
                 out.signals.append(window_signal(frame, idx, c, win, int(row), state, cfg))
+    if most is not None and most.hit.any():
+        said = {s.ranks[0] for s in out.signals}
+        for row in np.flatnonzero(most.hit & ~sped_up(most.hit) & ~victims):
+            if int(frame.rank[row]) not in said:
+                out.signals.append(slowest_signal(frame, idx, c, wi, most, int(row), state, cfg))
     if gap is not None and gap.hit.any():  # the partner's speed-up is what this rule reads
         said = {s.ranks[0] for s in out.signals}
         # of two pipeline partners both trailing their replicas, the one that trails by
