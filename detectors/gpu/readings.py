@@ -16,6 +16,7 @@ __all__ = [
     "has_gpu",
     "clock_events",
     "any_event",
+    "throttled",
     "xid_lists",
     "gpu_context",
 ]
@@ -96,6 +97,14 @@ def clock_events(frame: StepFrame) -> list[frozenset[str] | None]:
 def any_event(events: list[frozenset[str] | None], names: tuple[str, ...]) -> np.ndarray:
     """Bool per row: any of ``names`` active."""
     return np.array([bool(e and not e.isdisjoint(names)) for e in events], dtype=bool)
+
+
+def throttled(frame: StepFrame) -> np.ndarray:
+    """Bool per row: its GPU reports a thermal or power clock event this step (a slow
+    rank then is the GPU detector's finding, not a straggler's); all False without GPU."""
+    if not has_gpu(frame):
+        return np.zeros(frame.n, dtype=bool)
+    return any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
 
 
 def xid_lists(frame: StepFrame) -> list[list[int]]:

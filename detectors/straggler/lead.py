@@ -28,13 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 from rankscope.detectors.frame import StepFrame
-from rankscope.detectors.gpu.readings import (
-    POWER_EVENTS,
-    THERMAL_EVENTS,
-    any_event,
-    clock_events,
-    has_gpu,
-)
+from rankscope.detectors.gpu.readings import has_gpu, throttled
 from rankscope.detectors.stats.consensus import (
     Consensus,
     frame_consensus,
@@ -103,7 +97,7 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
         # long run's (the two-step rule asks its strong lead to be a mild one too)
         strong = far & (x >= cfg.lead_ratio * expected) & (x >= cfg.lead_over_peers * runner_up)
     if long.any() and has_gpu(frame):  # a throttling GPU is the GPU detector's finding
-        long &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
+        long &= ~throttled(frame)
         lead &= long
         strong &= long
     return strong, lead, long

@@ -18,6 +18,7 @@ from rankscope.detectors.gpu.readings import gpu_context
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import Z_CAP
 from rankscope.detectors.stats.persistence import usable_ranks
+from rankscope.detectors.stats.ring_state import dump_rings, load_rings
 from rankscope.detectors.stats.robust import quantile_sorted
 from rankscope.detectors.stats.slow_window import FOLLOW_EVERY, change_point_back, z_threshold
 from rankscope.detectors.straggler.pair import other_member, pair_waits
@@ -28,6 +29,8 @@ __all__ = ["PairGap", "PairGapResult", "pair_gap_hits", "pair_gap_signal"]
 MIN_BASE = 8  # quiet clean steps before a usual gap judges (a spread of fewer is noise)
 QUIET = 2  # a step teaches the usual gap only while the mean of this many is near it
 SPREAD_FLOOR = 0.01  # log units: two ranks that never differ still jitter by this much
+RINGS = ("d", "gap", "wait", "ok")  # saved per step and rank
+FLATS = ("pos", "partner", "seen", "base_n")  # saved per rank
 
 
 @dataclass(slots=True)
@@ -142,38 +145,18 @@ class PairGap:
         self.spread[r] = np.maximum(rms, SPREAD_FLOOR)
 
     def state_dict(self) -> dict:
-        def fl(a):
-            return [[None if not math.isfinite(v) else v for v in row] for row in a.tolist()]
-
-        return {
-            "steps": self.steps,
-            "d": self.d.tolist(), "gap": self.gap.tolist(), "wait": self.wait.tolist(),
-            "ok": self.ok.astype(np.int8).tolist(), "pos": self.pos.tolist(),
-            "partner": self.partner.tolist(), "seen": self.seen.tolist(),
-            "base": fl(self.base), "base_n": self.base_n.tolist(),
-            "active": np.flatnonzero(self.active).tolist(),
-        }  # fmt: skip
+        out = dump_rings(self, RINGS, FLATS)
+        out["base"] = [[None if not math.isfinite(v) else v for v in row]
+                       for row in self.base.tolist()]  # fmt: skip
+        return out
 
     def load_state_dict(self, s: dict) -> None:
-        if not s:
-            return
-        if int(s.get("steps", -1)) != self.steps:
-            raise ValueError(f"pair gap state has {s.get('steps')} steps, not {self.steps}")
-        n = len(s["pos"])
-        self._reset(n)
+        n = load_rings(self, s, "pair gap", RINGS, FLATS)
         if not n:
             return
-        for k in ("d", "gap", "wait"):
-            getattr(self, k)[:] = np.asarray(s[k], float).reshape(self.steps, n)
-        self.ok[:] = np.asarray(s["ok"], bool).reshape(self.steps, n)
-        self.pos[:] = np.asarray(s["pos"], np.int64)
-        self.partner[:] = np.asarray(s["partner"], np.int64)
-        self.seen[:] = np.asarray(s["seen"], np.int64)
         base = np.array(s["base"], dtype=object).reshape(self.history, n)
         base[base == None] = np.nan  # noqa: E711 (elementwise on an object array)
         self.base[:] = base.astype(np.float64)
-        self.base_n[:] = np.asarray(s["base_n"], np.int64)
-        self.active[np.asarray(s.get("active", []), dtype=np.int64)] = True
         self._summarize(np.flatnonzero(self.base_n > 0))
 
 

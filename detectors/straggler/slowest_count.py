@@ -18,17 +18,11 @@ from functools import lru_cache
 
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
-from rankscope.detectors.gpu.readings import (
-    POWER_EVENTS,
-    THERMAL_EVENTS,
-    any_event,
-    clock_events,
-    gpu_context,
-    has_gpu,
-)
+from rankscope.detectors.gpu.readings import gpu_context, has_gpu, throttled
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import Z_CAP, excess_floor_s, frame_consensus
 from rankscope.detectors.stats.persistence import usable_ranks
+from rankscope.detectors.stats.ring_state import dump_rings, load_rings
 from rankscope.detectors.stats.slow_window import change_point_back
 
 __all__ = ["SlowestCount", "SlowestResult", "count_needed", "slowest_hits", "slowest_signal"]
@@ -36,6 +30,8 @@ __all__ = ["SlowestCount", "SlowestResult", "count_needed", "slowest_hits", "slo
 HOLD = 0.5  # a named rank stays named while slowest in this share of its readings
 MIN_PRESENT = 0.75  # of the window's steps, at least this share must hold a reading
 WARMUP = 3  # a rank's first readings (compilation, caches) are not judged
+RINGS = ("top", "lr", "ex", "ok")  # saved per step and rank
+FLATS = ("pos", "seen")  # saved per rank
 ONSET_TRIM = 2  # the onset is the run's third slowest step: two by chance do not start it
 
 
@@ -117,31 +113,10 @@ class SlowestCount:
         return (self.pos[ranks][:, None] - 1 - np.arange(self.steps)[None, :]) % self.steps
 
     def state_dict(self) -> dict:
-        return {
-            "steps": self.steps,
-            "top": self.top.astype(np.int8).tolist(), "lr": self.lr.tolist(),
-            "ex": self.ex.tolist(), "ok": self.ok.astype(np.int8).tolist(),
-            "pos": self.pos.tolist(), "seen": self.seen.tolist(),
-            "active": np.flatnonzero(self.active).tolist(),
-        }  # fmt: skip
+        return dump_rings(self, RINGS, FLATS)
 
     def load_state_dict(self, s: dict) -> None:
-        if not s:
-            return
-        if int(s.get("steps", -1)) != self.steps:
-            raise ValueError(f"slowest-count state has {s.get('steps')} steps, not {self.steps}")
-        n = len(s["pos"])
-        self._reset(n)
-        if not n:
-            return
-        shape = (self.steps, n)
-        self.top[:] = np.asarray(s["top"], bool).reshape(shape)
-        self.lr[:] = np.asarray(s["lr"], float).reshape(shape)
-        self.ex[:] = np.asarray(s["ex"], float).reshape(shape)
-        self.ok[:] = np.asarray(s["ok"], bool).reshape(shape)
-        self.pos[:] = np.asarray(s["pos"], np.int64)
-        self.seen[:] = np.asarray(s["seen"], np.int64)
-        self.active[np.asarray(s.get("active", []), dtype=np.int64)] = True
+        load_rings(self, s, "slowest-count", RINGS, FLATS)
 
 
 def slowest_hits(frame, idx, c, i: int, state: SlowestCount, cfg, skip: np.ndarray | None = None,
@@ -202,7 +177,7 @@ def slowest_hits(frame, idx, c, i: int, state: SlowestCount, cfg, skip: np.ndarr
     keep = held[rows] & (2 * count >= present) & (mlr > HOLD * math.log(cfg.min_ratio))
     hit = fresh | keep
     if has_gpu(frame):  # a throttling GPU is the GPU detector's finding, as in the window
-        hit &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)[rows]
+        hit &= ~throttled(frame)[rows]
     state.active[ranks[rows]] = hit
     out.hit[rows] = hit
     out.present[rows], out.count[rows] = present, count

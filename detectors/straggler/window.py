@@ -11,14 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
 from rankscope.detectors.frame import StepFrame
-from rankscope.detectors.gpu.readings import (
-    POWER_EVENTS,
-    THERMAL_EVENTS,
-    any_event,
-    clock_events,
-    gpu_context,
-    has_gpu,
-)
+from rankscope.detectors.gpu.readings import gpu_context, has_gpu, throttled
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import (
     Z_CAP,
@@ -140,7 +133,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
         with np.errstate(invalid="ignore"):  # a victim waited longer than its peers
             ok &= held[rows] | ~(cc.x[0, rows] > cc.median[0, rows])
     if has_gpu(frame):
-        ok &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)[rows]
+        ok &= ~throttled(frame)[rows]
     out.ratio[rows], out.excess_s[rows] = np.exp(mlr), mex
     out.hit[rows[ok]] = True
     if out.hit.any():
@@ -168,7 +161,7 @@ def _step_hits(frame: StepFrame, far, log_ratio, excess_s, cfg) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         hit = far & (log_ratio > math.log(cfg.min_ratio)) & (excess_s > floor)
     if hit.any() and has_gpu(frame):
-        hit &= ~any_event(clock_events(frame), THERMAL_EVENTS + POWER_EVENTS)
+        hit &= ~throttled(frame)
     return hit
 
 

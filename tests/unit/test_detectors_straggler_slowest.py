@@ -28,11 +28,15 @@ def crowded(lay, steps, rng, slow=None, factor=1.3, onset=40):
         compute[stall] *= rng.uniform(1.3, 2.5, stall.sum())
         if slow is not None and step >= onset:
             compute[slow] *= factor
-        m = {"compute_s": compute, "data_s": np.full(w, 0.001),
-             "comm_s": 0.01 + 0.01 * rng.random(w)}  # fmt: skip
-        m["step_s"] = compute + m["comm_s"] + 0.001
-        frames.append(make_frame(lay, step, m))
+        frames.append(_frame(lay, step, compute, 0.01 + 0.01 * rng.random(w)))
     return frames
+
+
+def _frame(lay, step, compute, comm, total=None):
+    total = compute + comm + 0.001 if total is None else total
+    m = {"compute_s": compute, "comm_s": comm, "step_s": total,
+         "data_s": np.full(compute.shape[0], 0.001)}  # fmt: skip
+    return make_frame(lay, step, m)
 
 
 def counted(outs):
@@ -86,9 +90,7 @@ def _recorded():
     lay = layout(4)
     frames = []
     for step, (compute, comm, total) in enumerate(RECORDED):
-        m = {"compute_s": np.array(compute) / 1e3, "comm_s": np.array(comm) / 1e3,
-             "step_s": np.array(total) / 1e3, "data_s": np.full(4, 0.0005)}  # fmt: skip
-        frames.append(make_frame(lay, step, m))
+        frames.append(_frame(lay, step, *(np.array(v) / 1e3 for v in (compute, comm, total))))
     return frames
 
 
@@ -141,10 +143,7 @@ def _steady(lay, steps, slow, factor):
     for step in range(steps):
         compute = 0.2 * (1 + 0.01 * rng.standard_normal(w))
         compute[slow] *= factor
-        m = {"compute_s": compute, "data_s": np.full(w, 0.001),
-             "comm_s": 0.01 + 0.001 * rng.random(w)}  # fmt: skip
-        m["step_s"] = compute + m["comm_s"] + 0.001
-        frames.append(make_frame(lay, step, m))
+        frames.append(_frame(lay, step, compute, 0.01 + 0.001 * rng.random(w)))
     return frames
 
 
