@@ -27,7 +27,8 @@ from rankscope.detectors.stats.slow_window import change_point_back
 
 __all__ = ["SlowestCount", "SlowestResult", "count_needed", "slowest_hits", "slowest_signal"]
 
-HOLD = 0.5  # a named rank stays named while slowest in this share of its readings
+HOLD = 0.5  # a named rank stays named while slowest in this share of its readings, at
+# this share of the ratio floor
 MIN_PRESENT = 0.75  # of the window's steps, at least this share must hold a reading
 WARMUP = 3  # a rank's first readings (compilation, caches) are not judged
 RINGS = ("top", "lr", "ex", "ok")  # saved per step and rank
@@ -61,7 +62,7 @@ class SlowestResult:
     hit: np.ndarray
     present: np.ndarray  # readings in the window
     count: np.ndarray  # of those, the steps it was its group's slowest
-    ratio: np.ndarray  # mean compute over the group median since the onset
+    ratio: np.ndarray  # mean compute over its reference (``rel``, the median) since the onset
     onset_back: np.ndarray  # how many of the last readings the slow run spans
 
 
@@ -89,8 +90,8 @@ class SlowestCount:
         have = self.pos.shape[0]
         if top <= have:
             return
-        old = {k: getattr(self, k) for k in ("top", "lr", "ex", "ok")}
-        flat = {k: getattr(self, k) for k in ("pos", "seen", "active")}
+        old = {k: getattr(self, k) for k in RINGS}
+        flat = {k: getattr(self, k) for k in (*FLATS, "active")}
         self._reset(max(top, 2 * have))
         for k, v in old.items():
             getattr(self, k)[:, :have] = v
@@ -174,7 +175,7 @@ def slowest_hits(frame, idx, c, i: int, state: SlowestCount, cfg, skip: np.ndarr
         cc = frame_consensus(frame, idx, ("comm_s",))
         with np.errstate(invalid="ignore"):  # a victim waited longer than its peers
             fresh &= ~(cc.x[0, rows] > cc.median[0, rows])
-    keep = held[rows] & (2 * count >= present) & (mlr > HOLD * math.log(cfg.min_ratio))
+    keep = held[rows] & (count >= HOLD * present) & (mlr > HOLD * math.log(cfg.min_ratio))
     hit = fresh | keep
     if has_gpu(frame):  # a throttling GPU is the GPU detector's finding, as in the window
         hit &= ~throttled(frame)[rows]
