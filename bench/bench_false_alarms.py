@@ -24,6 +24,12 @@ in seconds after every detector change::
 ``--record`` appends to the folder (new names and seeds), so a corpus grows
 in batches. Without arguments: record a small corpus into a temporary folder
 and score it.
+
+A straggler is a sleep of ``factor - 1`` times the rank's clean compute
+(``--straggler sleep``, the default, as every corpus before) or held at its
+factor over its peers' compute (``--straggler held``, ``fa_held.py``): on a
+crowded host a sleep is partly given back, so the scores also list straggler
+runs by the slowdown they measured.
 """
 
 from __future__ import annotations
@@ -45,25 +51,28 @@ from fa_score import print_scores, score_corpus  # noqa: E402
 STYLES = tuple(LOOPS)
 
 
-def fault_plan(steps: int) -> list[tuple[str, dict]]:
-    """One of each fault kind, on rank 1..3 in turn, from the middle of the run."""
+def fault_plan(steps: int, hold: bool = False) -> list[tuple[str, dict]]:
+    """One of each fault kind, on rank 1..3 in turn, from the middle of the run;
+    stragglers held at their factor over their peers (``fa_held.py``) or, with
+    ``hold`` False, a fixed sleep that a crowded host partly gives back."""
     at = steps // 2
+    held = {"hold": True} if hold else {}
     kinds = [
-        {"kind": "straggler", "factor": 1.5},
-        {"kind": "straggler", "factor": 1.25},
+        {"kind": "straggler", "factor": 1.5, **held},
+        {"kind": "straggler", "factor": 1.25, **held},
         {"kind": "sdc-param"},
         {"kind": "nonfinite"},
         {"kind": "network", "delay_s": 0.02},
     ]
     out = []
     for i, f in enumerate(kinds):
-        tag = f["kind"] + (str(f.get("factor", f.get("delay_s", ""))) if len(f) > 1 else "")
+        tag = f["kind"] + str(f.get("factor", f.get("delay_s", "")))
         out.append((tag, {**f, "rank": 1 + i % 3, "from": at, "until": None}))
     return out
 
 
-def plan(corpus: Path, clean: int, faults: bool, steps: int,
-         styles: tuple[str, ...] = STYLES, tags: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+def plan(corpus: Path, clean: int, faults: bool, steps: int, styles: tuple[str, ...] = STYLES,
+         tags: tuple[str, ...] = (), hold: bool = False) -> list[dict]:  # fmt: skip
     """Clean runs round-robin over ``styles``, then each style's localizable faults
     (those of ``tags``, e.g. ``straggler1.25``, where given)."""
     idx = next_index(corpus)
@@ -75,7 +84,7 @@ def plan(corpus: Path, clean: int, faults: bool, steps: int,
     idx += clean
     if faults:
         for style in styles:
-            for tag, f in fault_plan(steps):
+            for tag, f in fault_plan(steps, hold):
                 if f["kind"] not in LOOPS[style].faults or (tags and tag not in tags):
                     continue
                 runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
@@ -103,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", action="store_true", help="record one run per fault and style")
     ap.add_argument("--fault-tags", default="",
                     help="with --faults: only these, comma-separated (e.g. straggler1.25)")
+    ap.add_argument("--straggler", choices=("sleep", "held"), default="sleep",
+                    help="stragglers: a fixed sleep of factor - 1 times the rank's clean "
+                         "compute (default), or held at factor x their peers' compute")  # fmt: skip
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
     ap.add_argument("--world", type=int, default=4,
@@ -134,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.record:
         corpus = Path(a.record)
-        record(corpus, plan(corpus, a.clean, a.faults, a.steps, styles, tags), a.batch, a.world)
+        runs = plan(corpus, a.clean, a.faults, a.steps, styles, tags, hold=a.straggler == "held")
+        record(corpus, runs, a.batch, a.world)
     if a.score:
         corpus = Path(a.score)
         if not corpus.is_dir():

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fa_held import Board, HeldSleep
 
 __all__ = ["install_fault", "comm_hook_for", "label"]
 
@@ -41,34 +42,70 @@ def _active(fault: dict, step: int) -> bool:
     return step >= fault["from"] and (until is None or step <= until)
 
 
-def _straggler(fault: dict, model: torch.nn.Module, opt, clock: StepClock) -> None:
+def _own_compute(clock: StepClock, split: bool = True) -> float | None:
+    """This step's compute so far (optimizer post-hooks only): with ``split``, the
+    record's (``pending_record``: a stage's receive before its first forward is not
+    in the span, DDP's wait for its last buckets is comm); without, the time from
+    the first forward less ``comm_s``, what every sleep-mode corpus was sized by."""
+    st = clock.rc.state if clock.rc is not None else None
+    if st is None or st.first_forward_perf is None:
+        return None
+    comm = st.comm_s
+    if split:
+        comm += st.backward_wait_s() - st.comm_before_forward_s
+    return max(0.0, time.perf_counter() - st.first_forward_perf - comm)
+
+
+def _straggler(fault: dict, model: torch.nn.Module, opt, clock: StepClock,
+               board: Board | None = None, key: int = 0) -> None:  # fmt: skip
     """Sleep ``factor - 1`` times this rank's own clean compute, in the forward pass.
 
     The clean compute is the median over the steps before the fault of the
     time from the step's first forward to its update, less the time spent in
-    communication (read from the collector's step state, the same split the
-    record's ``compute_s`` makes). Stretching the current step's forward by its
+    communication (the collector's step state; ``_own_compute``). Stretching
+    the current step's forward by its
     own length instead undershoots on an oversubscribed host: while the rank
-    sleeps, its peers get the cores.
+    sleeps, its peers get the cores. A ``hold`` fault (``fa_held.py``) then
+    steers the sleep so that its compute stays ``factor`` x its peers'.
     """
     extra = fault["factor"] - 1.0
     slept: list[int] = []
     clean: list[float] = []
+    held = HeldSleep(fault["factor"]) if fault.get("hold") and board is not None else None
 
     def fwd_post(mod, args, out):
         step = clock()
         if _active(fault, step) and clean and step not in slept:
             slept.append(step)
-            time.sleep(extra * sorted(clean)[len(clean) // 2])
+            mid = sorted(clean)[len(clean) // 2]
+            if held is not None:
+                held.start(mid)
+            time.sleep(held.sleep_s if held is not None else extra * mid)
 
     def post(optimizer, a, kw):  # runs before the collector's post-hook: state is this step's
-        st = clock.rc.state if clock.rc is not None else None
-        if st is None or st.first_forward_perf is None or not 1 <= clock() < fault["from"]:
+        own = _own_compute(clock, split=held is not None)
+        if own is None or clock() < 1:
             return
-        clean.append(max(0.0, time.perf_counter() - st.first_forward_perf - st.comm_s))
+        if clock() < fault["from"]:
+            clean.append(own)
+        if held is not None:
+            held.seen(board.peers(key))
+            if _active(fault, clock()) and clock() in slept:
+                held.steer(own)
 
     for part in model if isinstance(model, torch.nn.ModuleList) else [model]:  # pp stages
         part.register_forward_hook(fwd_post)
+    opt.register_step_post_hook(post)
+
+
+def _post_compute(opt, clock: StepClock, board: Board, key: int) -> None:
+    """Every rank of a held straggler's run posts its compute of each step."""
+
+    def post(optimizer, a, kw):
+        own = _own_compute(clock)
+        if own is not None and clock() >= 1:
+            board.post(key, own)
+
     opt.register_step_post_hook(post)
 
 
@@ -148,16 +185,21 @@ def _slow_collective(fault: dict, clock: StepClock, name: str):
     return undo
 
 
-def install_fault(fault: dict | None, rank: int, loop, clock: StepClock):
+def install_fault(fault: dict | None, rank: int, loop, clock: StepClock,
+                  board: Board | None = None, key: int = 0):  # fmt: skip
     """Install ``fault`` on ``loop`` when it is this rank's (after ``loop.wrap()``,
-    before ``RankCollector.attach``); returns what undoes it (after ``close``)."""
+    before ``RankCollector.attach``); returns what undoes it (after ``close``).
+    ``board``: the run's compute board (``fa_held.py``) when it holds a straggler;
+    every rank posts to it, ``key`` its peer group's."""
+    if board is not None:
+        _post_compute(loop.opt, clock, board, key)
     if fault is None or fault["rank"] != rank:
         return lambda: None
     kind = fault["kind"]
     if kind not in loop.faults:
         raise ValueError(f"fault {kind!r} is not localizable under loop style {loop.style!r}")
     if kind == "straggler":
-        _straggler(fault, loop.model, loop.opt, clock)
+        _straggler(fault, loop.model, loop.opt, clock, board, key)
     elif kind == "sdc-param":
         _sdc_param(fault, loop.model, loop.opt, clock)
     elif kind == "nonfinite":

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from fa_faults import StepClock, comm_hook_for, install_fault, label
+from fa_held import Board, peer_key
 from fa_loops import build_loop
 
 __all__ = ["next_index", "record_batch"]
@@ -28,6 +29,7 @@ HOST = "node00"  # one host: 4 ranks on this machine
 
 
 def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> None:
+    share = os.path.dirname(init.removeprefix("file://"))  # this batch's temporary folder
     torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 default gives
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from rankscope.collectors import RankCollector
@@ -38,7 +40,10 @@ def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> Non
             loop = build_loop(run["style"], rank, world, run["seed"], run["steps"])
             module = loop.wrap()
             clock = StepClock()
-            undo = install_fault(fault, rank, loop, clock)
+            board = None
+            if fault and fault.get("hold"):  # every rank posts its compute (fa_held.py)
+                board = Board(os.path.join(share, f"board-{run['name']}"), world, rank)
+            undo = install_fault(fault, rank, loop, clock, board, peer_key(loop.topology, rank))
             folder = Path(out) / run["name"]
             rc = RankCollector.attach(
                 module, loop.opt, job=run["name"], sink=f"file://{folder}", host=HOST,
@@ -51,6 +56,8 @@ def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> Non
             rc.close()
             undo()
             dist.barrier()
+            if board is not None:
+                board.close()
             if rank == 0:
                 ranks = loop.attributable(fault["kind"], fault["rank"]) if fault else None
                 with open(folder / "labels.jsonl", "w") as fh:

@@ -47,23 +47,33 @@ def _fault_name(run: Path, lab: dict) -> str:
     meta = json.loads((run / "meta.json").read_text())
     f = meta.get("fault") or {}
     mag = f.get("factor", f.get("delay_s"))
-    return f"{f.get('kind', lab['kind'])}" + (f" {mag}" if mag is not None else "")
+    held = " held" if f.get("hold") else ""
+    return f"{f.get('kind', lab['kind'])}" + (f" {mag}" if mag is not None else "") + held
+
+
+def _peer_key(r: dict) -> tuple:
+    """The coordinates a rank shares with its symmetric peers: all but ``dp``."""
+    return tuple(r.get(c, 0) for c in ("tp", "pp", "cp", "ep"))
 
 
 def _compute_ratio(run: Path, rank: int, start: int) -> float | None:
-    """Median, over the faulty steps, of the rank's compute_s over its peers' median:
-    what an injected slowdown really came to on this host."""
-    rows: dict[int, dict[int, float]] = defaultdict(dict)
+    """Median, over the faulty steps, of the rank's compute_s over its symmetric
+    peers' median (the ranks of its pipeline stage or tp shard; every other rank
+    under plain data parallelism): what an injected slowdown really came to."""
+    rows: dict[int, dict[int, dict]] = defaultdict(dict)
     for path in run.glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
             r = json.loads(line)
             if r.get("type") == "step" and r["step"] >= start and r.get("compute_s"):
-                rows[r["step"]][r["rank"]] = r["compute_s"]
+                rows[r["step"]][r["rank"]] = r
     ratios = []
     for per in rows.values():
-        peers = [v for k, v in per.items() if k != rank]
-        if rank in per and peers:
-            ratios.append(per[rank] / statistics.median(peers))
+        if rank not in per:
+            continue
+        key = _peer_key(per[rank])
+        peers = [v["compute_s"] for k, v in per.items() if k != rank and _peer_key(v) == key]
+        if peers:
+            ratios.append(per[rank]["compute_s"] / statistics.median(peers))
     return statistics.median(ratios) if ratios else None
 
 
@@ -77,6 +87,7 @@ def score_corpus(corpus: Path) -> dict:
                  "early": 0, "split": 0}
     )
     details: list[str] = []
+    measured: list[tuple[float, int | None]] = []  # per straggler run: ratio, latency
     report = ReadReport()
     for run in _runs(corpus):
         style = json.loads((run / "meta.json").read_text()).get("style", "?")
@@ -102,6 +113,9 @@ def score_corpus(corpus: Path) -> dict:
                 if ratio is not None:
                     fs["ratio"].append(ratio)
             hits = [f for f in res.findings if not f.unattributed and matches(f, lab)]
+            if ratio is not None:
+                lat = min(f.detected_step for f in hits) - lab["step"] if hits else None
+                measured.append((ratio, max(0, lat) if lat is not None else None))
             if hits:
                 fs["found"] += 1
                 early = [f.first_step for f in hits if f.first_step < lab["step"]]
@@ -123,7 +137,8 @@ def score_corpus(corpus: Path) -> dict:
                 details.append(f"  fault {run.name}: MISSED {lab['kind']} rank {lab['ranks']}"
                                f"{got}")  # fmt: skip
     return {"clean": clean, "clean_runs": dict(clean_runs), "by_style": clean_by_style,
-            "faults": faults, "details": details, "bad": report.bad}  # fmt: skip
+            "faults": faults, "details": details, "bad": report.bad,
+            "measured": measured}  # fmt: skip
 
 
 def _merged(rows) -> dict:
@@ -143,6 +158,27 @@ def _print_fault(name: str, style: str, fs: dict) -> None:
     meas = f"{statistics.median(fs['ratio']):7.2f}x" if fs["ratio"] else "       -"
     print(f"  {name:16s} {style:9s} {fs['runs']:4d} {rec:7.2f} {med:7.1f} {mx:7.1f} {meas} "
           f"{fs['early']:5d} {fs['split']:5d}  {other}")  # fmt: skip
+
+
+MEASURED_BINS = (1.5, 1.25, 1.1, 0.0)  # lower edges, slowest first
+
+
+def _print_measured(runs: list[tuple[float, int | None]]) -> None:
+    """Straggler runs by what their slowdown came to, whatever was injected: on a
+    crowded host a sleep is partly given back (a "1.25x" measured 1.05x), or grows."""
+    if not runs:
+        return
+    print("stragglers by measured slowdown (all factors and styles):")
+    top = float("inf")
+    for low in MEASURED_BINS:
+        lat = [la for r, la in runs if low <= r < top and la is not None]
+        n = sum(1 for r, _ in runs if low <= r < top)
+        if n:
+            med = statistics.median(lat) if lat else float("nan")
+            rng = f">= {low:.2f}x" if top == float("inf") else f"{low:.2f}-{top:.2f}x"
+            print(f"  {rng:14s} runs {n:4d}  recall {len(lat) / n:5.2f}  latency median "
+                  f"{med:5.1f}  max {max(lat, default=float('nan')):5.1f}")  # fmt: skip
+        top = low
 
 
 def print_scores(s: dict, verbose: bool = False) -> None:
@@ -176,6 +212,7 @@ def print_scores(s: dict, verbose: bool = False) -> None:
     print("  (measured: the faulty rank's compute over its peers' median during the fault;"
           " early: runs whose\n   finding starts before the fault; split: runs where the"
           " fault came out as several findings)")
+    _print_measured(s.get("measured") or [])
     if s["bad"]:
         print(f"malformed records: {s['bad']}")
     if verbose and s["details"]:
