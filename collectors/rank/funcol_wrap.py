@@ -11,7 +11,11 @@ bytes; the wait's seconds on the training thread are added to that entry's
 ``device_timing``). A wait whose launch was not seen (a result made before
 attach) still counts as ``comm_s``. Loops call them on plain tensors too (a
 mixture of experts' ``all_to_all_single_autograd``), so they are wrapped for
-every model. Their backward runs in autograd's C++ and is not seen. While
+every model. Their backward's collective is launched inside autograd, unseen
+(no entry); where torch waits for it through this module's ``wait_tensor``
+(torch 2.15 does), the wait is ``comm_s`` like any other on the training
+thread (CPU backward runs there; CUDA's runs on autograd's own threads, not
+seen). While
 ``torch.compile`` traces, the wrappers pass straight through (the compiled
 graph's collectives are not seen).
 """
