@@ -1,13 +1,13 @@
 """The false-alarm bench's sharded, AMP and pipelined loop styles record traces that score.
 
-One spawn of 4 real gloo ranks records seven short runs the way
+One spawn of 4 real gloo ranks records eight short runs the way
 ``bench/bench_false_alarms.py --record`` does: an FSDP2 run and a tensor-
 parallel run, each with a NaN injected on rank 1 (under tp the NaN reaches its
 tp partner's gradients in the same step, but only rank 1's loss), a clean AMP
 run, a clean pp 2 x dp 2 run, a clean Trainer-shaped run of variable-length
 batches called with keywords (``model(**batch)``) and two clean mixture-of-experts
-runs (both ways of moving tokens); then ``score_corpus`` replays them through the
-detectors.
+runs (both ways of moving tokens), and a pp run with a held straggler
+(``fa_held.py``); then ``score_corpus`` replays them through the detectors.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
          "fault": None},
         {"name": "clean-moe-0005", "style": "moe", "seed": 5, "steps": STEPS, "fault": None},
         {"name": "clean-moe-0006", "style": "moe", "seed": 6, "steps": STEPS, "fault": None},
+        {"name": "fault-straggler1.5-pp-0007", "style": "pp", "seed": 7, "steps": STEPS,
+         "fault": {"kind": "straggler", "factor": 1.5, "hold": True, "rank": 1, "from": 5,
+                   "until": None}},
     ]  # fmt: skip
     record_batch(runs, tmp_path)
 
@@ -93,6 +96,10 @@ def test_sharded_amp_and_pipelined_styles_record_and_score(tmp_path):
 
     s = score_corpus(tmp_path)
     assert s["clean_runs"] == {"amp": 1, "pp": 1, "varlen": 1, "moe": 2} and s["bad"] == 0
+    # a held straggler (every rank posts its compute on the batch's board) records and
+    # is scored under its own name, with what it measured over its stage's replica
+    held = s["faults"][("straggler 1.5 held", "pp")]
+    assert held["runs"] == 1 and len(held["ratio"]) == 1 and len(s["measured"]) == 1
     assert not [k for k in s["clean"] if k[0] in ("evict", "recover")], s["details"]
     hit = s["faults"][("nonfinite", "fsdp2")]
     assert hit["runs"] == 1 and hit["found"] == 1 and hit["lat"] == [0], s["details"]
