@@ -27,6 +27,7 @@ from rankscope.detectors.stats.history_state import PartsState, make_window
 from rankscope.detectors.stats.peers import PeerCache
 from rankscope.detectors.stats.persistence import FlagRate, StreakCounter, required_streak
 from rankscope.detectors.straggler.expert_load import expert_busy
+from rankscope.detectors.straggler.input_wait import waited_out
 from rankscope.detectors.straggler.lead import leading
 from rankscope.detectors.straggler.lead_chance import LeadChance
 from rankscope.detectors.straggler.pair import pair_named
@@ -52,6 +53,7 @@ class StragglerConfig(ConsensusConfig):
     # of those, the ones judged by what they cost the step: an excess of at least
     # (min_ratio - 1) of the step time, not min_ratio of their own (tiny) peer median
     step_share_metrics: tuple[str, ...] = ("data_s",)
+    input_wait_frac: float = 0.5  # and its peers' comm_s over its own by this share (0: off)
     min_ratio: float = 1.1  # and at least this multiple of the peer median
     strong_z: float = 7.0  # a step this far above its peers is clear: own chance rate, streak
     history_k_sigma: float = 4.0  # or this many robust sigmas above its own median
@@ -111,6 +113,8 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("the long-run lead margins must be in [their floor, the mild ones]")
         if not (0.0 <= self.lead_wait_frac <= 1.0 and 0.0 <= self.lead_step_frac <= 1.0):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
+        if not 0.0 <= self.input_wait_frac <= 1.0:
+            raise ValueError("input_wait_frac must be in [0, 1]")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
             raise ValueError("pair_gap_steps must be >= 0 and pair_gap_ratio > 1")
         if not 0 <= self.slowest_steps <= 256:
@@ -199,6 +203,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         if slow.any() or few:  # the step floor costs a median
             floors = _floors(frame, cfg)
             slow &= x - c.median > floors
+            slow = waited_out(frame, idx, c, slow, cfg)  # straggler/input_wait.py
         if win is not None and win.per_token:  # slow for its batch (own floors), and a
             slow[cfg.metrics.index(cfg.window_metric)] = win.step_hit  # long batch is not
         elif win is not None and win.step_hit.any():

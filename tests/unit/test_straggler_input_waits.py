@@ -3,7 +3,9 @@
 A loader's wait is a millisecond or so, so a few milliseconds more is a sixfold
 "slowdown" over the peers and a hundred robust sigmas: on a loaded host that is
 a scheduling hiccup. A rank is slow on input only when the excess is
-``min_ratio - 1`` of the step (straggler/detector.py, ``_floors``).
+``min_ratio - 1`` of the step (straggler/detector.py, ``_floors``), and only
+where its peers waited that excess out in the step's collectives
+(straggler/input_wait.py): a wait the step absorbed cost the job nothing.
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ from support.synth import layout, make_frame
 from support.synth import run_detector as run
 
 
-def frames_with_input(extra_s: float, rank: int = 5, onset: int = 15, steps: int = 40):
-    """8 ranks, ~0.26 s steps; from ``onset`` ``rank`` waits ``extra_s`` more for input."""
+def frames_with_input(extra_s: float, rank: int = 5, onset: int = 15, steps: int = 40,
+                      waited: bool = True):  # fmt: skip
+    """8 ranks, ~0.26 s steps; from ``onset`` ``rank`` waits ``extra_s`` more for input,
+    and (``waited``) its peers wait that long for it in the gradient all-reduce."""
     rng = np.random.default_rng(7)
     lay = layout(8)
     out = []
     for step in range(steps):
         data = 0.001 + 0.0002 * rng.random(8)
+        comm = 0.05 + 0.01 * rng.random(8)
         if step >= onset:
             data[rank] += extra_s
+            if waited:
+                comm[np.arange(8) != rank] += extra_s
         m = {"compute_s": 0.2 * (1 + 0.02 * rng.standard_normal(8)), "data_s": data,
-             "comm_s": 0.05 + 0.01 * rng.random(8)}  # fmt: skip
+             "comm_s": comm}  # fmt: skip
         m["step_s"] = m["compute_s"] + m["data_s"] + m["comm_s"]
         out.append(make_frame(lay, step, m))
     return out
@@ -50,3 +57,20 @@ def test_the_share_rule_is_per_metric_and_can_be_turned_off():
     cfg = S.StragglerConfig(step_share_metrics=())
     outs, _ = run(S, frames_with_input(0.015), cfg=cfg)
     assert named(outs) == {5}  # judged by the millisecond floors alone, as before
+
+
+def test_an_input_stall_the_step_absorbed_is_not_a_straggler():
+    # the same 23 % stall, but no peer waited for it (a short batch, an early arrival)
+    outs, _ = run(S, frames_with_input(0.06, waited=False))
+    assert named(outs) == set()
+    cfg = S.StragglerConfig(input_wait_frac=0.0)  # the rule off: named as before
+    outs, _ = run(S, frames_with_input(0.06, waited=False), cfg=cfg)
+    assert named(outs) == {5}
+
+
+def test_without_comm_times_nothing_is_asked_of_the_peers():
+    frames = frames_with_input(0.06, waited=False)
+    for f in frames:
+        f.m["comm_s"] = np.full(f.n, np.nan)
+    outs, _ = run(S, frames)
+    assert named(outs) == {5}
