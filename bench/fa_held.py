@@ -4,7 +4,7 @@ On a host with fewer cores than ranks, a sleep of ``factor - 1`` times a
 rank's clean compute is partly given back: while the rank sleeps its peers
 get the cores, and when they block in the next collective the sleeper gets
 them back, so its compute grows by less than the sleep. Measured on the
-bench (4 ranks, 2 cores), "1.25x" sleeps came to 1.05-1.3x of the peers'
+bench (4 ranks, 2 cores), "1.25x" sleeps came to 1.05-1.5x of the peers'
 compute, "1.5x" to 1.3-3x. A slow GPU slows its rank alone, by its factor.
 
 ``held`` faults therefore steer the sleep: every rank posts its compute of

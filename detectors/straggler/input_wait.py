@@ -5,8 +5,8 @@ then wait for it in the step's collectives: their ``comm_s`` grows by about
 its excess. A loader hiccup of a few milliseconds that the step absorbed (a
 short batch, a collective the rank reached no later than the others) costs
 nothing, and on a crowded host such hiccups come in twos and threes by chance
-(two clean 600-step bench runs named one, 4-8 ms against 0.5 ms, in steps
-whose peers had not waited). Where ``comm_s`` is not reported, nothing is
+(two clean 600-step bench runs named one, 4-8 ms against 0.5 ms, with steps
+whose peers had not waited it out). Where ``comm_s`` is not reported, nothing is
 asked. Design notes: docs/detectors.md, "detectors/straggler/input_wait.py".
 """
 
