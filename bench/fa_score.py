@@ -18,6 +18,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from rankscope.detectors.frame import COORD_NAMES
 from rankscope.pipeline.offline.evaluate import matches
 from rankscope.pipeline.offline.replay import replay_trace
 from rankscope.pipeline.traces.files import ReadReport
@@ -53,7 +54,7 @@ def _fault_name(run: Path, lab: dict) -> str:
 
 def _peer_key(r: dict) -> tuple:
     """The coordinates a rank shares with its symmetric peers: all but ``dp``."""
-    return tuple(r.get(c, 0) for c in ("tp", "pp", "cp", "ep"))
+    return tuple(r.get(c, 0) for c in COORD_NAMES if c != "dp")
 
 
 def _compute_ratio(run: Path, rank: int, start: int) -> float | None:

@@ -25,14 +25,14 @@ def waited_out(frame: StepFrame, idx: PeerIndex, c: Consensus, slow: np.ndarray,
     """``slow`` (metrics x rows) less the input-wait readings (``cfg.step_share_metrics``)
     whose excess over the peer median the peers did not wait for: their median
     ``comm_s`` over the row's by less than ``cfg.input_wait_frac`` of that excess."""
-    rows = [i for i, m in enumerate(cfg.metrics) if m in cfg.step_share_metrics and slow[i].any()]
+    judged = [i for i, m in enumerate(cfg.metrics) if m in cfg.step_share_metrics and slow[i].any()]
     comm = frame.m.get("comm_s")
-    if not rows or not cfg.input_wait_frac or comm is None or not np.isfinite(comm).any():
+    if not judged or not cfg.input_wait_frac or comm is None or not np.isfinite(comm).any():
         return slow
     waited = frame_consensus(frame, idx, ("comm_s",)).median[0] - comm
     out = slow.copy()
     with np.errstate(invalid="ignore"):
-        for i in rows:
+        for i in judged:
             paid = waited >= cfg.input_wait_frac * (c.x[i] - c.median[i])
             out[i] &= paid | ~np.isfinite(waited)
     return out
