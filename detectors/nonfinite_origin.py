@@ -141,7 +141,7 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
                 state.open = False
         return out
     state.quiet = 0
-    if state.open:
+    if state.open or _contained(frame, local_bad, loss_bad, overflow):
         return out
     if _handled(frame):
         state.skips += 1
@@ -194,6 +194,19 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
         )
     )
     return out
+
+
+def _contained(frame: StepFrame, local_bad, loss_bad, overflow) -> bool:
+    """A non-finite local gradient that no reduced gradient carries: every rank
+    reports a finite ``grad_norm_reduced`` and no loss went non-finite, so the update
+    every rank applied was finite. Seen on torchtitan 0.3's chunked loss under
+    pipelining: its first step reduce-scatters an all-NaN lm_head gradient whose
+    result the step's later reduction replaces. A faulty rank's NaN reaches the
+    update: every replica, or the shard that holds it, then reads non-finite."""
+    reduced = frame.m.get("grad_norm_reduced")
+    if reduced is None or not local_bad.any() or loss_bad.any() or overflow.any():
+        return False
+    return bool(frame.n and np.isfinite(reduced).all())
 
 
 def _forward_first(frame: StepFrame, rows: np.ndarray, loss_bad: np.ndarray):

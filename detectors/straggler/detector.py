@@ -428,7 +428,8 @@ def _expected(win, row: int, value: float, ratio: float) -> dict:
 
 def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Signal:
     """Signal for one confirmed slow row, on its most deviating metric."""
-    ratio = np.where(hit[:, row], c.x[:, row] / c.median[:, row], -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):  # idle metrics: 0 / 0 off the hit
+        ratio = np.where(hit[:, row], c.x[:, row] / c.median[:, row], -np.inf)
     tokens = win is not None and bool(win.step_hit[row])
     if tokens:  # slow for its batch: the ratio that counts is to what its peers predict
         ratio[cfg.metrics.index(cfg.window_metric)] = win.step_ratio[row]
@@ -440,7 +441,8 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Sig
     peers = peers[peers != row]
     value = c.x[i, row]
     by_tokens = tokens and metric == cfg.window_metric
-    rel = value / hmed[0] if peerless else value / c.median[i, row]
+    with np.errstate(invalid="ignore", divide="ignore"):  # an idle peer median: inf
+        rel = value / hmed[0] if peerless else value / c.median[i, row]
     if by_tokens:
         rel = win.step_ratio[row]
     if peerless:

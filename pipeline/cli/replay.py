@@ -130,8 +130,9 @@ def require_steps(report) -> None:
     read as a clean run, so it fails instead, saying what the trace did hold."""
     if report.good.get("step", 0):
         return
-    held = ", ".join(f"{n} {kind}" for kind, n in sorted(report.good.items()) if n) or "nothing"
+    held = ", ".join(f"{n} {kind}" for kind, n in sorted(report.good.items()) if n)
+    what = f"it holds {held} record(s)" if held else "it holds no valid record"
     raise CliError(
-        f"no step records in the trace (it holds {held} record(s)): there is nothing to "
+        f"no step records in the trace ({what}): there is nothing to "
         "detect on; was the collector attached to the optimizer (or rc.step() called)?"
     )
