@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from rankscope.collectors.rank.by_name import rebind, restore
 from rankscope.collectors.rank.ddp_hook import hook_context
 from rankscope.collectors.rank.fsdp import group_key
 from rankscope.collectors.rank.step_state import StepState
@@ -158,6 +159,7 @@ class DistPatch:
         self._wrappers: dict[str, Callable] = {}
         self._busy = threading.local()
         self._active = False
+        self._rebound: list = []  # by_name.rebind: modules that imported a function by name
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -173,6 +175,7 @@ class DistPatch:
             setattr(dist, name, wrapper)
             if name in _C10D_TOO and getattr(dist.distributed_c10d, name, None) is orig:
                 setattr(dist.distributed_c10d, name, wrapper)
+        self._rebound = rebind(self._originals, self._wrappers)
         self._install_ddp_buffer_sync()
 
     def _install_ddp_buffer_sync(self) -> None:
@@ -198,6 +201,7 @@ class DistPatch:
         ddp_sync = self._wrappers.pop(_DDP_BUFFER_SYNC, None)
         if ddp_sync is not None and vars(self._ddp[0]).get(_DDP_BUFFER_SYNC) is ddp_sync:
             delattr(self._ddp[0], _DDP_BUFFER_SYNC)  # the class's method again
+        restore(self._rebound)
         for name, orig in self._originals.items():
             for module in (dist, dist.distributed_c10d):
                 if getattr(module, name, None) is self._wrappers[name]:

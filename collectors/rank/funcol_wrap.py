@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from rankscope.collectors.rank.by_name import rebind, restore
 from rankscope.collectors.rank.faults import Faults
 from rankscope.collectors.rank.step_state import StepState
 from rankscope.collectors.rank.work_wait import timed_wait
@@ -100,6 +101,7 @@ class FuncolPatch:
         self._wrappers: dict[str, Callable] = {}
         self._active = False
         self._module: Any = None
+        self._rebound: list = []  # by_name.rebind: modules that imported a function by name
 
     def install(self) -> None:
         try:
@@ -114,6 +116,7 @@ class FuncolPatch:
         wait = getattr(funcol, "wait_tensor", None)
         if callable(wait):
             self._put("wait_tensor", wait, self._wrap_wait(wait))
+        self._rebound = rebind(self._originals, self._wrappers)
 
     def _put(self, name: str, orig: Callable, wrapper: Callable) -> None:
         self._originals[name], self._wrappers[name] = orig, wrapper
@@ -121,6 +124,7 @@ class FuncolPatch:
 
     def uninstall(self) -> None:
         self._active = False
+        restore(self._rebound)
         for name, orig in self._originals.items():
             if getattr(self._module, name, None) is self._wrappers[name]:
                 setattr(self._module, name, orig)
