@@ -350,11 +350,13 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
     """The slower of two peers, named on its own history (straggler/pair.py)."""
     other = members[members != row]
     _, hmed, _ = state.history.assess(frame.rank[[row]], cfg.metrics[i])
+    with np.errstate(divide="ignore", invalid="ignore"):  # a partner idle in it: 0 s
+        ratio = float(x[i, row] / x[i, other[0]])
     return Signal(
         kind="straggler",
         ranks=(int(frame.rank[row]),),
         detector=NAME,
-        score=float(x[i, row] / x[i, other[0]]),
+        score=min(ratio, Z_CAP) if ratio == ratio else Z_CAP,
         severity="persistent",
         evidence=metric_evidence(
             cfg.metrics[i],
@@ -363,7 +365,7 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
             x[i, other],
             history_median=hmed[0],
             rule="pair",
-            ratio=float(x[i, row] / x[i, other[0]]),
+            ratio=num(ratio),
             reason="two peers: it slowed down against its own history, the other did not "
             "and waited for it",
             streak_steps=streak,
