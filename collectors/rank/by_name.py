@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["Rebound", "rebind", "restore"]
 
-_SKIP = ("torch.", "rankscope.", "torch", "rankscope")
+_SKIP = {"torch", "rankscope"}  # top-level packages left alone
 
 Rebound = list[tuple[Any, str, Callable, Callable]]  # (module, name, original, wrapper)
 
@@ -29,7 +29,7 @@ def rebind(originals: dict[str, Callable], wrappers: dict[str, Callable]) -> Reb
     by_id = {id(orig): (orig, wrappers[k]) for k, orig in originals.items() if k in wrappers}
     done: Rebound = []
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or mod_name in _SKIP or mod_name.startswith(_SKIP[:2]):
+        if mod is None or mod_name.partition(".")[0] in _SKIP:
             continue
         try:
             names = vars(mod)
