@@ -20,8 +20,9 @@ detector's ``pair_named``). Otherwise the pair stays unattributed.
 from __future__ import annotations
 
 import numpy as np
-from rankscope.detectors.frame import StepFrame
+from rankscope.detectors.frame import COORD_NAMES, StepFrame
 from rankscope.detectors.network.waits import (
+    POINT_TO_POINT,
     SYMMETRIC,
     collective_instances,
     held_after_others,
@@ -54,11 +55,42 @@ def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndar
     if comm is None and not shared:
         return None
     out = comm[other] - comm[rows] if comm is not None else np.full(rows.size, np.nan)
+    piped = frame.memo("pair_pipeline_waits", _pipeline_waits)
     for j, (a, b) in enumerate(zip(rows.tolist(), other.tolist(), strict=True)):
         late = shared.get((a, b))
-        if late is not None:
-            out[j] = late if not np.isfinite(out[j]) else min(out[j], late)
+        if late is None:
+            continue
+        if piped is not None:  # or its pipeline waited for it, not for the partner
+            late = max(late, piped[a] - piped[b])
+        out[j] = late if not np.isfinite(out[j]) else min(out[j], late)
     return out
+
+
+def _pipeline_waits(frame: StepFrame) -> np.ndarray | None:
+    """Per row: the seconds the other ranks of its pipeline (equal coordinates but
+    ``pp``) spent in point-to-point transfers this step; None without pipeline stages.
+
+    A stage's two replicas may share no collective their lag shows in: under FSDP 2 x
+    PP 2 (torchtitan) a slow stage-0 replica's gather and scatter with its partner sit
+    where both wait for their own pipelines anyway, and its lag lands on its
+    downstream stage's receives instead (0.20 s a step there against 0.02 s in the
+    partner's pipeline, for a 0.17 s sleep). Which rank a receive waited for is not
+    recorded (pipeline schedules use the world group); whose pipeline waited is."""
+    pp = frame.coords.get("pp")
+    if pp is None or np.unique(pp).size < 2 or not frame.collectives:
+        return None
+    own = np.zeros(frame.n)
+    for row, colls in enumerate(frame.collectives):
+        for c in colls or ():
+            s = c.get("s") if c.get("op") in POINT_TO_POINT else None
+            if isinstance(s, (int, float)) and np.isfinite(s) and s > 0:
+                own[row] += s
+    key = np.zeros(frame.n, dtype=np.int64)
+    for c in COORD_NAMES:
+        if c != "pp" and c in frame.coords:
+            key = key * 1_000_003 + np.asarray(frame.coords[c], dtype=np.int64)
+    _, inv = np.unique(key, return_inverse=True)
+    return np.bincount(inv, weights=own)[inv] - own
 
 
 def _shared_lateness(frame: StepFrame) -> dict[tuple[int, int], float]:
