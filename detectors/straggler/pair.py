@@ -7,8 +7,8 @@ when it is at least ``history_ratio`` over its own clean median, the other is
 under ``history_ratio`` over its own and short of the slower one's own ratio by
 ``min_ratio`` (it did not slow down as well: a job-wide slowdown moves both),
 and the other waited for it (``pair_waits``: by ``lead_wait_frac`` of the gap, in the
-collectives the two share): a rank that merely computed more because a crowded
-host moved CPU time to it makes nobody wait.
+collectives the two share, or through its pipeline's transfers): a rank that
+merely computed more because a crowded host moved CPU time to it makes nobody wait.
 Only compute is judged so (a few milliseconds of input wait are noise beside a
 peer's wait). Such steps count toward the pair streak like the others, and
 toward a streak of their own whose chance rate is their own (named steps are
@@ -43,13 +43,18 @@ def waiting_s(frame: StepFrame) -> np.ndarray | None:
     return comm - np.nan_to_num(held_after_others(frame), nan=0.0)
 
 
-def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndarray | None:
+def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray,
+               gap: np.ndarray) -> np.ndarray | None:  # fmt: skip
     """Per pair, how much longer ``other`` waited for ``rows`` than the reverse: the
     ``comm_s`` difference (``waiting_s``), at most how much later ``rows`` arrived at
-    the symmetric collectives the two share alone (their group's; ``_shared_lateness``).
-    In a pp stage ``comm_s`` also holds a rank's wait for its own upstream stage,
-    which says nothing of who is slow in the pair: a stage-1 rank whose replica's
-    stage 0 straggled was named on it. None without ``comm_s`` or collectives."""
+    the symmetric collectives the two share alone (their group's; ``_shared_lateness``)
+    or, when more, how much longer the rest of its pipeline waited in point-to-point
+    transfers than the rest of the other's (``_pipeline_waits``), taken up to the
+    step's compute ``gap`` (the larger of two noisy readings leans high; past the
+    gap it says no more). In a pp stage
+    ``comm_s`` also holds a rank's wait for its own upstream stage, which says nothing
+    of who is slow in the pair: a stage-1 rank whose replica's stage 0 straggled was
+    named on it. None without ``comm_s`` or collectives."""
     comm = waiting_s(frame)
     shared = frame.memo("pair_shared_lateness", _shared_lateness)
     if comm is None and not shared:
@@ -60,8 +65,8 @@ def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray) -> np.ndar
         late = shared.get((a, b))
         if late is None:
             continue
-        if piped is not None:  # or its pipeline waited for it, not for the partner
-            late = max(late, piped[a] - piped[b])
+        if piped is not None and gap[j] > 0:  # or its pipeline waited for it, not the partner
+            late = max(late, min(piped[a] - piped[b], gap[j]))
         out[j] = late if not np.isfinite(out[j]) else min(out[j], late)
     return out
 
@@ -143,8 +148,8 @@ def pair_named(frame: StepFrame, idx: PeerIndex, state, cfg, i: int, rows: np.nd
         own, theirs = x[i, rows] / hmed, x[i, other] / ohmed
         ok = (count >= cfg.history_min_steps) & (own > cfg.history_ratio)
         ok &= (theirs < cfg.history_ratio) & (theirs * cfg.min_ratio < own)  # not both
-        wait = pair_waits(frame, rows, other)
+        gap = x[i, rows] - x[i, other]
+        wait = pair_waits(frame, rows, other, gap)
         if wait is not None:
-            gap = x[i, rows] - x[i, other]
             ok &= (wait >= cfg.lead_wait_frac * gap) | ~np.isfinite(wait)
     return ok

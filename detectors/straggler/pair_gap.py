@@ -173,12 +173,12 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
     if rows.size == 0:
         return out
     ranks, partners = frame.rank[rows], frame.rank[other]
-    wait = pair_waits(frame, rows, other)  # in the collectives the two share
+    gap = x[rows] - x[other]
+    wait = pair_waits(frame, rows, other, gap)  # in the collectives the two share
     no_wait = wait is None
     with np.errstate(invalid="ignore", divide="ignore"):
         ok = (x[rows] > 0) & (x[other] > 0)
         d = np.where(ok, np.log(x[rows] / x[other]), np.nan)
-        gap = x[rows] - x[other]
         if wait is None:
             wait = np.full(rows.size, np.nan)
     state.push(ranks, partners, d, gap, wait)
