@@ -8,6 +8,7 @@ attach, the faults). Styles are torchtitan's own parallelisms:
 
 - ``titan_fsdp``: llama3 debug model, FSDP2 over 4 ranks;
 - ``titan_fsdp_tp``: FSDP2 2 x tensor parallel 2 (DTensor, loss parallel);
+- ``titan_hsdp``: HSDP, 2 replicas of FSDP2 over 2 ranks (replicate x shard);
 - ``titan_pp``: FSDP2 2 x pipeline 2 (Interleaved1F1B, two stages a rank);
 - ``titan_moe_ep``: deepseek_v3 debug model (mixture of experts), FSDP2 4 with
   expert parallel 2 (DTensor backend: gloo has no uneven ``all_to_all`` list).
@@ -61,6 +62,9 @@ STYLES = {  # name: (module, config, parallelism arguments, faults)
     "titan_fsdp_tp": ("llama3", "llama3_debugmodel",
                       ["--parallelism.data_parallel_shard_degree", "2",
                        "--parallelism.tensor_parallel_degree", "2"], ("straggler",)),
+    "titan_hsdp": ("llama3", "llama3_debugmodel",
+                   ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"], ("straggler", "nonfinite")),
     "titan_pp": ("llama3", "llama3_debugmodel",
                  ["--parallelism.data_parallel_shard_degree", "2",
                   "--parallelism.pipeline_parallel_degree", "2"], ("straggler",)),
