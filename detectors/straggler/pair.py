@@ -49,12 +49,12 @@ def pair_waits(frame: StepFrame, rows: np.ndarray, other: np.ndarray,
     ``comm_s`` difference (``waiting_s``), at most how much later ``rows`` arrived at
     the symmetric collectives the two share alone (their group's; ``_shared_lateness``)
     or, when more, how much longer the rest of its pipeline waited in point-to-point
-    transfers than the rest of the other's (``_pipeline_waits``), taken up to the
-    step's compute ``gap`` (the larger of two noisy readings leans high; past the
-    gap it says no more). In a pp stage
-    ``comm_s`` also holds a rank's wait for its own upstream stage, which says nothing
-    of who is slow in the pair: a stage-1 rank whose replica's stage 0 straggled was
-    named on it. None without ``comm_s`` or collectives."""
+    transfers than the rest of the other's (``_pipeline_waits``), taken only where
+    the step's compute ``gap`` is positive and up to it (the larger of two noisy
+    readings leans high; past the gap it says no more). In a pp stage ``comm_s``
+    also holds a rank's wait for its own upstream stage, which says nothing of who
+    is slow in the pair: a stage-1 rank whose replica's stage 0 straggled was named
+    on it. None without ``comm_s`` or collectives."""
     comm = waiting_s(frame)
     shared = frame.memo("pair_shared_lateness", _shared_lateness)
     if comm is None and not shared:
