@@ -1,7 +1,8 @@
 """Two replicas of a pipeline stage (detectors/straggler/pair.py): when the slower one's
 lag shows in its downstream stage's receives and not in the collectives the two
 replicas share (torchtitan's FSDP 2 x PP 2), its pipeline's wait names it; a slower
-replica that both pipelines waited for alike stays unattributed."""
+replica that both pipelines waited for alike stays unattributed, and so does one whose
+pipeline waited only on steps where it was not the slower one."""
 
 from __future__ import annotations
 
@@ -69,3 +70,29 @@ def test_a_replica_both_pipelines_waited_for_alike_is_not_named():
     for seed in (1, 2, 3):
         outs, _ = run(S, frames(seed, downstream_waits=False))
         assert not named(outs), seed
+
+
+def test_pipeline_waits_on_steps_it_was_not_slower_do_not_name_it():
+    """From step 20 rank 1 is 1.6x slow on odd steps, where nobody waits for it (its
+    partner's wait lies in its own pipeline's receive); on even steps it is not slower,
+    and its pipeline waits 50 ms in receives for other reasons. Averaged over a window,
+    those waits would stand in for the wait its slow steps never caused."""
+    rng = np.random.default_rng(4)
+    lay = layout(2, 1, 2)
+    frames_ = []
+    for step in range(60):
+        compute = np.where(lay["pp"] == 0, 0.08, 0.10) * np.exp(0.06 * rng.standard_normal(4))
+        if step >= 20 and step % 2:
+            compute[SLOW] *= 1.6
+        f = step_frame(lay, step, compute, rng, downstream_waits=False)
+        if step >= 20 and not step % 2:  # its pipeline (and its partner's comm) waits anyway
+            for row in (0, 3):
+                recv = f.collectives[row][0]
+                recv["s"] += 0.05
+                f.m["comm_s"][row] += 0.05
+        elif step >= 20:  # the partner's wait for it sits in its own pipeline's receive
+            f.collectives[2][0]["s"] -= max(compute[SLOW] - compute[0], 0.0)
+            f.m["comm_s"][2] -= max(compute[SLOW] - compute[0], 0.0)
+        frames_.append(f)
+    outs, _ = run(S, frames_)
+    assert not named(outs)
