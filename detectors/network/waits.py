@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from rankscope.detectors.frame import COORD_NAMES, StepFrame
 
-__all__ = ["Waits", "collective_waits", "collective_instances", "held_after_others"]
+__all__ = ["Waits", "axis_key", "collective_waits", "collective_instances", "held_after_others"]
 
 
 @dataclass(slots=True)
@@ -53,6 +53,12 @@ def _member_keys(frame: StepFrame) -> dict[str, np.ndarray]:
         keys[name] = _mix([coords[c] for c in COORD_NAMES if c != name])
     keys["dp"] = np.asarray(frame.group, dtype=np.int64)
     return keys
+
+
+def axis_key(frame: StepFrame, axis: str) -> np.ndarray:
+    """Per row, a key equal on the members of one group of mesh ``axis`` (``dp``:
+    the peer group; else equal in every coordinate but ``axis``)."""
+    return _member_keys(frame)[axis]
 
 
 def _mix(cols: list[np.ndarray]) -> np.ndarray:

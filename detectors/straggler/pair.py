@@ -20,10 +20,11 @@ detector's ``pair_named``). Otherwise the pair stays unattributed.
 from __future__ import annotations
 
 import numpy as np
-from rankscope.detectors.frame import COORD_NAMES, StepFrame
+from rankscope.detectors.frame import StepFrame
 from rankscope.detectors.network.waits import (
     POINT_TO_POINT,
     SYMMETRIC,
+    axis_key,
     collective_instances,
     held_after_others,
 )
@@ -90,11 +91,7 @@ def _pipeline_waits(frame: StepFrame) -> np.ndarray | None:
             s = c.get("s") if c.get("op") in POINT_TO_POINT else None
             if isinstance(s, (int, float)) and np.isfinite(s) and s > 0:
                 own[row] += s
-    key = np.zeros(frame.n, dtype=np.int64)
-    for c in COORD_NAMES:
-        if c != "pp" and c in frame.coords:
-            key = key * 1_000_003 + np.asarray(frame.coords[c], dtype=np.int64)
-    _, inv = np.unique(key, return_inverse=True)
+    _, inv = np.unique(axis_key(frame, "pp"), return_inverse=True)
     return np.bincount(inv, weights=own)[inv] - own
 
 
