@@ -78,6 +78,8 @@ class StragglerConfig(ConsensusConfig):
     lead_long_z: float = 1.3  # and this many learnt spreads (at most lead_z's)
     lead_chance_quiet: int = 6  # a naming this short, then as long unnamed, was chance...
     lead_chance_cap: int = 2  # ...and each asks one more lead of every run, up to this
+    pair_lead_over: float = 1.4  # two peers (straggler/pair_lead.py): a lead over the partner
+    pair_lead_strong_over: float = 1.5  # ...and a strong one (0 turns the rule off)
     pair_gap_steps: int = 16  # two peers (straggler/pair_gap.py): window; 0 turns it off
     pair_gap_ratio: float = 1.2  # mean gap to the partner and over the usual gap, both
     slowest_steps: int = 16  # often the slowest (straggler/slowest_count.py): window; 0: off
@@ -115,6 +117,9 @@ class StragglerConfig(ConsensusConfig):
             raise ValueError("lead_wait_frac and lead_step_frac must be in [0, 1]")
         if not 0.0 <= self.input_wait_frac <= 1.0:
             raise ValueError("input_wait_frac must be in [0, 1]")
+        top = self.pair_lead_strong_over
+        if top and not 1.0 <= self.pair_lead_over <= top:
+            raise ValueError("need 1 <= pair_lead_over <= pair_lead_strong_over (or the latter 0)")
         if self.pair_gap_steps < 0 or self.pair_gap_ratio <= 1.0:
             raise ValueError("pair_gap_steps must be >= 0 and pair_gap_ratio > 1")
         if not 0 <= self.slowest_steps <= 256:
@@ -260,6 +265,10 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
         if win is not None and confirmed.any():  # the window holds it from now on
             state.window.hold(frame.rank[confirmed])
         for row in np.flatnonzero(confirmed):
+            if fast[row] and c.count[wi, row] == 2:  # the fast rule on two peers (pair_lead.py)
+                out.signals.append(_pair_signal(frame, x, wi, int(row), idx.peers_of(int(row)),
+                                                state, cfg, int(streak[row]), "pair_lead"))
+                continue
             out.signals.append(
                 _signal(frame, idx, c, hit, int(row), state, cfg, int(streak[row]), win,
                         bool(fast[row]))  # fmt: skip
@@ -346,7 +355,7 @@ def _floors(frame, cfg) -> np.ndarray:
     return np.asarray(col, dtype=np.float64)[:, None]
 
 
-def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
+def _pair_signal(frame, x, i, row, members, state, cfg, streak, rule="pair") -> Signal:
     """The slower of two peers, named on its own history (straggler/pair.py)."""
     other = members[members != row]
     _, hmed, _ = state.history.assess(frame.rank[[row]], cfg.metrics[i])
@@ -364,7 +373,7 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak) -> Signal:
             x[i, other[0]],
             x[i, other],
             history_median=hmed[0],
-            rule="pair",
+            rule=rule,
             ratio=num(ratio),
             reason="two peers: it slowed down against its own history, the other did not "
             "and waited for it",

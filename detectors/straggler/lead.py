@@ -36,6 +36,7 @@ from rankscope.detectors.stats.consensus import (
     step_reference_s,
 )
 from rankscope.detectors.stats.peers import PeerIndex
+from rankscope.detectors.straggler.pair_lead import pair_lead_hits
 
 __all__ = ["lead_hits", "leading"]
 
@@ -116,8 +117,11 @@ def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     step_z = win.step_z if win is not None else None
-    strong, lead, long = lead_hits(frame, idx, c, cfg.metrics.index(cfg.window_metric), cfg,
-                                   step_z)  # fmt: skip
+    i = cfg.metrics.index(cfg.window_metric)
+    strong, lead, long = lead_hits(frame, idx, c, i, cfg, step_z)
+    pair_strong, pair_lead = pair_lead_hits(frame, idx, c, i, cfg, state.history)
+    if pair_lead.any():  # two peers: against the partner and its own history (pair_lead.py)
+        strong, lead, long = strong | pair_strong, lead | pair_lead, long | pair_lead
     if not cfg.lead_long_steps:
         long = lead
     judged = state.streaks.rate[(cfg.window_metric, "slow")].steps

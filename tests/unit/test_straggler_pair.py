@@ -31,7 +31,9 @@ def signals(outs):
 
 
 def test_the_slower_of_two_replicas_is_named_by_its_history_and_its_peers_wait():
-    outs, state = run(S, frames(np.random.default_rng(1)))
+    # the fast rule for two peers (pair_lead.py) off: this is the streak rule's test
+    cfg = S.StragglerConfig(pair_lead_strong_over=0.0)
+    outs, state = run(S, frames(np.random.default_rng(1)), cfg=cfg)
     got = signals(outs)
     assert got and {r for _, ranks, un, _ in got if not un for r in ranks} == {1}
     assert not [g for g in got if g[2]], got  # once named it stays named
