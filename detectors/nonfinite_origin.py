@@ -164,7 +164,10 @@ def detect(frame: StepFrame, state: NonfiniteState, cfg: NonfiniteConfig) -> Det
         return out
     else:
         basis, rows = "reduced_only", np.flatnonzero(reduced_bad)
-    unattributed = basis == "reduced_only" or rows.size * 2 >= n
+    # a lone origin beside a finite peer is named even as half of a 2-rank job: its peer
+    # ran the same weights to a finite gradient, so the NaN is this rank's own
+    unattributed = basis == "reduced_only" or rows.size == n or (rows.size > 1
+                                                                 and rows.size * 2 >= n)
     ranks = tuple(int(r) for r in frame.rank[rows])
     g = frame.m.get("grad_norm", np.full(n, np.nan))
     others = np.setdiff1d(np.arange(n), rows)

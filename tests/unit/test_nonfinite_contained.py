@@ -47,3 +47,32 @@ def test_a_nan_that_reached_the_reduction_names_its_rank(reduced_nan):
 
 def test_a_nan_loss_names_its_rank_even_with_finite_reductions():
     assert _findings(reduced_nan=(), loss_nan=True) == [("nonfinite", [2], 8)]
+
+
+def _two_rank_findings(ranks_nan: tuple[int, ...], dp: int = 2) -> list[tuple]:
+    """A dp ``dp`` job whose ``ranks_nan`` computed a NaN local gradient at step 8, which
+    every replica's reduction then carried."""
+    recs = make_records(steps=14, dp=dp, tp=1)
+    for r in recs:
+        if r["step"] == 8:
+            named = {"grad_norm_reduced": "NaN"}
+            r["grad_norm_reduced"] = None
+            if r["rank"] in ranks_nan:
+                r["nonfinite"], r["grad_norm"] = 4096, None
+                named["grad_norm"] = "NaN"
+            r["nonfinite_fields"] = named
+    eng = Engine()
+    eng.feed(recs)
+    eng.flush()
+    return [(f.kind, f.ranks, f.first_step, f.unattributed) for f in eng.findings()
+            if f.kind == "nonfinite"]  # fmt: skip
+
+
+def test_a_dp2_nan_beside_a_finite_peer_names_its_rank():
+    # half the job, but its peer ran the same weights to a finite gradient
+    assert _two_rank_findings((1,)) == [("nonfinite", [1], 8, False)]
+
+
+def test_a_nan_on_every_rank_or_half_of_four_stays_unattributed():
+    assert [f[3] for f in _two_rank_findings((0, 1))] == [True]
+    assert [f[3] for f in _two_rank_findings((1, 2), dp=4)] == [True]
