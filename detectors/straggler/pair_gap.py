@@ -16,7 +16,7 @@ import numpy as np
 from rankscope.detectors.evidence import metric_evidence, num
 from rankscope.detectors.gpu.readings import gpu_context
 from rankscope.detectors.signal import Signal
-from rankscope.detectors.stats.consensus import Z_CAP
+from rankscope.detectors.stats.consensus import Z_CAP, excess_floor_s
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.ring_state import dump_rings, load_rings
 from rankscope.detectors.stats.robust import quantile_sorted
@@ -211,8 +211,12 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg) -> PairGapResu
         waited = (mwait >= cfg.lead_wait_frac * mgap) | no_wait
         limit = z_threshold(n, 1, cfg.chance_findings_per_step)
         grew = math.log(cfg.min_ratio)
-        fresh = (zsum > limit) & (mean_d > floor) & (over > grew)
+        # and the gap costs the step what any slowness must (the detector's floors): a
+        # 1.25x gap of 0.8 ms in a 9 ms step is a crowded host's doing (dp 2 tutorial)
+        cost = excess_floor_s(frame, cfg)
+        fresh = (zsum > limit) & (mean_d > floor) & (over > grew) & (mgap > cost)
         held = state.active[ranks] & (mean_d > HOLD * floor) & (over > HOLD * grew)
+        held &= mgap > HOLD * cost
         hit = full & waited & (fresh | held)
     state.active[ranks] = hit
     if hit.any():

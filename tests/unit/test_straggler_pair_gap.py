@@ -12,17 +12,18 @@ from support.synth import run_detector as run
 
 
 def frames(rng, *, slow=1.12, faster=0.88, onset=20, until=None, steps=48, jitter=0.12,
-           waits=True, start_gap=1.0, start_until=12, earlier=None):  # fmt: skip
+           waits=True, start_gap=1.0, start_until=12, earlier=None, scale=1.0):  # fmt: skip
     """pp 2 x dp 2, compute 80/100 ms per stage with ``jitter`` (log sd); from
     ``onset`` (to ``until``) rank 1 takes ``slow`` times longer and its partner,
     rank 0, ``faster`` times (it got the freed core): a gap of slow / faster, while
     rank 1 reads only ``slow`` over its own history. Until ``start_until`` (None:
     throughout) rank 1 takes ``start_gap`` times longer (a lopsided warm-up); over the
-    steps of ``earlier`` (first, end) the pair drifts as it does from ``onset``."""
+    steps of ``earlier`` (first, end) the pair drifts as it does from ``onset``;
+    ``scale`` multiplies every compute."""
     lay = layout(2, 1, 2)
     out = []
     for step in range(steps):
-        base = np.where(lay["pp"] == 0, 0.08, 0.10)
+        base = np.where(lay["pp"] == 0, 0.08, 0.10) * scale
         compute = base * np.exp(jitter * rng.standard_normal(4))
         if start_until is None or step < start_until:
             compute[1] *= start_gap
@@ -56,6 +57,14 @@ def test_a_replica_trailing_its_sped_up_partner_is_named_on_its_gap(seed):
     assert steps[-1] == 47
     # a rank the other rules would not name: the pair rule asks 1.25x of its own history
     assert not [s for o in outs for s in o.signals if s.evidence.get("rule") == "pair"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_gap_of_a_millisecond_costs_the_step_too_little_to_be_named(seed):
+    # the same 1.27x gap in a 4-5 ms compute: about 1 ms, under the 2 ms floor (a dp 2
+    # tutorial's replica on a crowded host computed 1.25x its partner for 20 steps)
+    outs, _ = run(S, frames(np.random.default_rng(seed), scale=0.05))
+    assert not named(outs)
 
 
 def test_noise_alone_names_no_one():
