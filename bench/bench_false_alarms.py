@@ -19,6 +19,8 @@ in seconds after every detector change::
     python bench/bench_false_alarms.py --record out/fa --faults      # one run per fault, per style
     python bench/bench_false_alarms.py --record out/fa --clean 6 --styles fsdp2,tp
     python bench/bench_false_alarms.py --record out/fa8 --clean 6 --world 8  # 8 ranks
+    python bench/bench_false_alarms.py --record out/w2 --clean 10 --world 2 \
+        --styles nanogpt,tutorial,amp,varlen  # dp 2 jobs: one pair, data-parallel styles
     python bench/bench_false_alarms.py --score out/fa [-v]
 
 ``--record`` appends to the folder (new names and seeds), so a corpus grows
@@ -49,10 +51,12 @@ from fa_record import next_index  # noqa: E402
 from fa_score import print_scores, score_corpus  # noqa: E402
 
 STYLES = tuple(LOOPS)
+DP_ONLY = ("nanogpt", "nanogpt_master", "tutorial", "amp", "varlen")  # run on 2 ranks too
 
 
-def fault_plan(steps: int, hold: bool = False) -> list[tuple[str, dict]]:
-    """One of each fault kind, on rank 1..3 in turn, from the middle of the run;
+def fault_plan(steps: int, hold: bool = False, world: int = 4) -> list[tuple[str, dict]]:
+    """One of each fault kind, on rank 1..3 in turn (rank 1 in a 2-rank job), from the
+    middle of the run;
     stragglers held at their factor over their peers (``fa_held.py``) or, with
     ``hold`` False, a fixed sleep that a crowded host partly gives back."""
     at = steps // 2
@@ -67,12 +71,12 @@ def fault_plan(steps: int, hold: bool = False) -> list[tuple[str, dict]]:
     out = []
     for i, f in enumerate(kinds):
         tag = f["kind"] + str(f.get("factor", f.get("delay_s", "")))
-        out.append((tag, {**f, "rank": 1 + i % 3, "from": at, "until": None}))
+        out.append((tag, {**f, "rank": 1 + i % min(3, world - 1), "from": at, "until": None}))
     return out
 
 
 def plan(corpus: Path, clean: int, faults: bool, steps: int, styles: tuple[str, ...] = STYLES,
-         tags: tuple[str, ...] = (), hold: bool = False) -> list[dict]:  # fmt: skip
+         tags: tuple[str, ...] = (), hold: bool = False, world: int = 4) -> list[dict]:  # fmt: skip
     """Clean runs round-robin over ``styles``, then each style's localizable faults
     (those of ``tags``, e.g. ``straggler1.25``, where given)."""
     idx = next_index(corpus)
@@ -84,7 +88,7 @@ def plan(corpus: Path, clean: int, faults: bool, steps: int, styles: tuple[str, 
     idx += clean
     if faults:
         for style in styles:
-            for tag, f in fault_plan(steps, hold):
+            for tag, f in fault_plan(steps, hold, world):
                 if f["kind"] not in LOOPS[style].faults or (tags and tag not in tags):
                     continue
                 runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
@@ -118,16 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--batch", type=int, default=6, help="runs per process launch")
     ap.add_argument("--world", type=int, default=4,
-                    help="ranks per run, all on this host (even: tp and pp split it in two)")
+                    help="ranks per run, all on this host (even: tp and pp split it in two; "
+                         "2 for the data-parallel styles only)")  # fmt: skip
     ap.add_argument("--styles", default=",".join(STYLES),
                     help=f"loop styles to record, comma-separated (default {','.join(STYLES)})")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every finding")
     a = ap.parse_args(argv)
     if a.clean < 0 or a.steps < 10 or a.batch < 1:
         ap.error("--clean must be >= 0, --steps >= 10, --batch >= 1")
-    if a.world < 4 or a.world % 2:
-        ap.error("--world must be even and >= 4 (a fault's rank and three peers; tp, pp 2)")
     styles = tuple(s for s in a.styles.split(",") if s)
+    if a.world == 2 and not set(styles) <= set(DP_ONLY):  # a dp 2 job: two peers
+        ap.error(f"--world 2 takes only the data-parallel styles ({', '.join(DP_ONLY)})")
+    elif a.world < 2 or a.world % 2:
+        ap.error("--world must be even and >= 2 (4 or more for tp and pp: they split it in two)")
     unknown = [s for s in styles if s not in LOOPS]
     if unknown or not styles:
         ap.error(f"--styles: unknown {', '.join(unknown) or '(none given)'}; "
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.record:
         corpus = Path(a.record)
-        runs = plan(corpus, a.clean, a.faults, a.steps, styles, tags, hold=a.straggler == "held")
+        runs = plan(corpus, a.clean, a.faults, a.steps, styles, tags, hold=a.straggler == "held",
+                    world=a.world)
         record(corpus, runs, a.batch, a.world)
     if a.score:
         corpus = Path(a.score)
