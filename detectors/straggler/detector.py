@@ -36,7 +36,7 @@ from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
 from rankscope.detectors.straggler.slowest_count import SlowestCount, slowest_hits, slowest_signal
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
-from rankscope.detectors.straggler.token_model import TokenModel
+from rankscope.detectors.straggler.token_model import TokenModel, per_median_batch
 from rankscope.detectors.straggler.window import window_hits, window_signal
 
 __all__ = ["StragglerConfig", "StragglerState", "detect"]
@@ -196,6 +196,8 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     if cfg.window_metric and cfg.slowest_steps:
         rel = win.step_ratio if win is not None and win.per_token else None
         most = slowest_hits(frame, idx, c, wi, state.slowest, cfg, busy, state.window, rel)
+    if few and win is not None and win.per_token:  # two peers: compute per median batch
+        x = per_median_batch(frame, idx, x, wi, state.tokens)
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
         xw = x[cfg.metrics.index(cfg.window_metric)]

@@ -6,8 +6,9 @@ Design notes: docs/detectors.md, "detectors/straggler/token_model.py".
 from __future__ import annotations
 
 import numpy as np
+from rankscope.detectors.stats.consensus import peer_consensus
 
-__all__ = ["TokenModel"]
+__all__ = ["TokenModel", "per_median_batch"]
 
 _FORGET = 1.0 / 256.0  # weight lost per learnt step: the fit spans a few hundred steps
 
@@ -68,3 +69,23 @@ class TokenModel:
             return
         self.keys = np.asarray(d.get("keys", []), dtype=np.int64)
         self.stats = np.asarray(d.get("stats", []), dtype=np.float64).reshape(5, -1)
+
+
+def per_median_batch(frame, idx, x: np.ndarray, i: int, model: TokenModel) -> np.ndarray:
+    """``x`` with metric ``i`` scaled to what each row would have taken on its group's
+    median batch (the model's expectation there over its expectation at the row's
+    tokens; unchanged where the model is not ready or the tokens are the median's).
+    The pair rules judge a rank against its partner and its own history, and without
+    this a run of long batches on one replica of a dp 2 varlen job read as slowness."""
+    tokens = frame.m.get("tokens")
+    if tokens is None:
+        return x
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = tokens / peer_consensus(idx, tokens).median[0]
+        factor = model.expected(idx, np.ones_like(rel)) / model.expected(idx, rel)
+    ok = np.isfinite(factor) & (factor > 0)
+    if not ok.any():
+        return x
+    out = x.copy()
+    out[i] = np.where(ok, x[i] * factor, x[i])
+    return out
