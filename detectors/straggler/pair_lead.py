@@ -5,8 +5,10 @@ rank does not move. Two peers (the replicas of a pp stage, a dp 2 job) have
 none, and their streak rules (``pair.py``, ``pair_gap.py``) waited 4-10 steps
 for a held 1.5x straggler. Here the rank's own clean median stands in for the
 group's, and the partner for every other member: a lead is compute of
-``lead_mild_ratio`` over its own median and ``lead_mild_over_peers`` over the
-partner's (strong: ``lead_ratio``, ``lead_over_peers``), an excess of
+``lead_mild_ratio`` over its own median and ``pair_lead_over`` over the
+partner's (strong: ``lead_ratio``, ``pair_lead_strong_over``: with one other
+member, a crowded host's stall of one replica leads it by the group rule's
+margins far more often than it leads three peers), an excess of
 ``lead_step_frac`` of the step and ``lead_z`` of its own learnt spread, a
 partner that did not slow down as well and waited for it (``pair_waits``: by
 ``lead_wait_frac`` of the gap). The leads go through the fast rule's own runs,
