@@ -196,8 +196,9 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     if cfg.window_metric and cfg.slowest_steps:
         rel = win.step_ratio if win is not None and win.per_token else None
         most = slowest_hits(frame, idx, c, wi, state.slowest, cfg, busy, state.window, rel)
-    if few and win is not None and win.per_token:  # two peers: compute per median batch
-        x = per_median_batch(frame, idx, x, wi, state.tokens)
+    batched = None  # two peers: compute per median batch, and which rows the model scaled
+    if few and win is not None and win.per_token:
+        x, batched = per_median_batch(frame, idx, x, wi, state.tokens)
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
         xw = x[cfg.metrics.index(cfg.window_metric)]
@@ -247,7 +248,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
             s = (x[i, rows] > limit) & (x[i, rows] - hmed > floors[i, 0])
             if s.sum() * 2 < rows.size:  # most peerless ranks fine: not a workload change
                 hit[i, rows] |= s
-    lead, lead_run = leading(frame, idx, c, state, cfg, win)
+    lead, lead_run = leading(frame, idx, c, state, cfg, win, (x[wi], batched))
     if lead.any():
         hit[cfg.metrics.index(cfg.window_metric), lead] = True
     victims = _victims(frame, c, hit | pair, win, state, cfg)

@@ -104,7 +104,7 @@ def lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg,
     return strong, lead, long
 
 
-def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
+def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win, batch=None
             ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(named, onset back): rows the fast rule names this step (``lead_steps`` leads in
     a row, or ``lead_long_steps`` looser ones, one of them strong; or
@@ -112,14 +112,15 @@ def leading(frame: StepFrame, idx: PeerIndex, c: Consensus, state, cfg, win
     to nothing, ``lead_chance.py``), and per row how many steps back its onset is
     (the run's first strong lead: a mild lead just before a fault is as often chance).
     ``state``: the straggler state (its lead counters and streak rates), ``win``: the
-    windowed test's result this step (its per-step z)."""
+    windowed test's result this step (its per-step z), ``batch``: (compute per median
+    batch, rows the token model scaled) for the two-peer rule (``pair_lead.py``)."""
     n = frame.n
     if not (cfg.lead_steps and cfg.window_metric):
         return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     step_z = win.step_z if win is not None else None
     i = cfg.metrics.index(cfg.window_metric)
     strong, lead, long = lead_hits(frame, idx, c, i, cfg, step_z)
-    pair_strong, pair_lead = pair_lead_hits(frame, idx, c, i, cfg, state.history)
+    pair_strong, pair_lead = pair_lead_hits(frame, idx, c, i, cfg, state.history, batch)
     if pair_lead.any():  # two peers: against the partner and its own history (pair_lead.py)
         strong, lead, long = strong | pair_strong, lead | pair_lead, long | pair_lead
     if not cfg.lead_long_steps:

@@ -12,7 +12,9 @@ margins far more often than it leads three peers), an excess of
 ``lead_step_frac`` of the step and ``lead_z`` of its own learnt spread, a
 partner that did not slow down as well and waited for it (``pair_waits``: by
 ``lead_wait_frac`` of the gap). The leads go through the fast rule's own runs,
-warm-up and chance record (``lead.py``, ``lead_chance.py``). A rank whose batch
+warm-up and chance record (``lead.py``, ``lead_chance.py``). Batches of unequal
+length are judged as the streak rules judge them: compute per median batch from the
+learnt token model (``token_model.py``); until it is ready for both, a rank whose batch
 holds more tokens than its partner's is allowed that share.
 Design notes: docs/detectors.md, "detectors/straggler/pair_lead.py".
 """
@@ -29,31 +31,37 @@ from rankscope.detectors.straggler.pair import other_member, pair_waits
 __all__ = ["pair_lead_hits"]
 
 
-def pair_lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg, history
-                   ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def pair_lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg, history,
+                   batch=None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(strong, mild): rows of two-member groups whose metric ``i`` (compute) leads the
     partner and their own clean median this step by the fast rule's strong, or at least
-    its mild, margins (see the module); ``history``: the detector's clean histories."""
+    its mild, margins (see the module); ``history``: the detector's clean histories;
+    ``batch``: (compute per median batch, rows the token model scaled) or None."""
     n = frame.n
     none = np.zeros(n, dtype=bool)
-    x = c.x[i]
     if not cfg.pair_lead_strong_over:
         return none, none
-    with np.errstate(invalid="ignore"):
-        rows = np.flatnonzero((c.count[i] == 2) & np.isfinite(x) & (x > c.median[i]))
+    x, scaled = c.x[i], np.zeros(n, dtype=bool)
+    if batch is not None and batch[1] is not None:
+        x, scaled = batch
+    rows = np.flatnonzero((c.count[i] == 2) & np.isfinite(x))
+    if not rows.size:
+        return none, none
+    other = other_member(idx, rows)
+    rows, other = rows[x[rows] > x[other]], other[x[rows] > x[other]]  # the slower one
     if not rows.size:
         return none, none
     metric = cfg.metrics[i]
-    other = other_member(idx, rows)
     count, hmed, hsig = history.assess(frame.rank[rows], metric)
     ocount, ohmed, _ = history.assess(frame.rank[other], metric)
     xr, xo = x[rows], x[other]
     share = np.ones(rows.size)
     tokens = frame.m.get("tokens")
-    if tokens is not None:
+    if tokens is not None:  # no model for the pair yet: a longer batch is allowed its share
         with np.errstate(invalid="ignore", divide="ignore"):
             rel = tokens[rows] / tokens[other]
-        share = np.where(np.isfinite(rel), np.maximum(rel, 1.0), 1.0)  # a longer batch
+        unscaled = ~(scaled[rows] & scaled[other])
+        share = np.where(np.isfinite(rel) & unscaled, np.maximum(rel, 1.0), 1.0)
     ref = step_reference_s(frame)
     with np.errstate(invalid="ignore", divide="ignore"):
         own = xr / (hmed * share)

@@ -71,21 +71,22 @@ class TokenModel:
         self.stats = np.asarray(d.get("stats", []), dtype=np.float64).reshape(5, -1)
 
 
-def per_median_batch(frame, idx, x: np.ndarray, i: int, model: TokenModel) -> np.ndarray:
-    """``x`` with metric ``i`` scaled to what each row would have taken on its group's
-    median batch (the model's expectation there over its expectation at the row's
-    tokens; unchanged where the model is not ready or the tokens are the median's).
-    The pair rules judge a rank against its partner and its own history, and without
-    this a run of long batches on one replica of a dp 2 varlen job read as slowness."""
+def per_median_batch(frame, idx, x: np.ndarray, i: int, model: TokenModel
+                     ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(``x`` with metric ``i`` scaled to what each row would have taken on its group's
+    median batch, per row whether it was): the model's expectation there over its
+    expectation at the row's tokens; unchanged where the model is not ready. The pair
+    rules judge a rank against its partner and its own history, and without this a run
+    of long batches on one replica of a dp 2 varlen job read as slowness."""
     tokens = frame.m.get("tokens")
     if tokens is None:
-        return x
+        return x, np.zeros(x.shape[1], dtype=bool)
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = tokens / peer_consensus(idx, tokens).median[0]
         factor = model.expected(idx, np.ones_like(rel)) / model.expected(idx, rel)
     ok = np.isfinite(factor) & (factor > 0)
     if not ok.any():
-        return x
+        return x, ok
     out = x.copy()
     out[i] = np.where(ok, x[i] * factor, x[i])
-    return out
+    return out, ok

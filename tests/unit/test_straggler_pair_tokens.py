@@ -50,3 +50,16 @@ def test_a_run_of_long_batches_on_one_replica_is_not_slowness(seed):
 def test_a_replica_slow_for_its_batches_is_still_named(seed):
     outs, _ = run(S, frames(seed, slow=1.6))
     assert named(outs) == {1}
+
+
+def test_a_slow_replica_on_long_batches_is_named_by_the_fast_rule_too():
+    """The two-peer fast rule (``pair_lead.py``) judges compute per median batch as the
+    streak rules do: a proportional token share would excuse a 1.6x replica whose
+    batches are 3x its partner's (compute is affine in tokens), and leave it to them."""
+    late = []
+    for seed in range(1, 9):
+        outs, _ = run(S, frames(seed, long_batches=True, slow=1.6))
+        steps = [k for k, o in enumerate(outs) if 1 in named([o])]
+        assert steps and named(outs) == {1}
+        late.append(steps[0] - 30)
+    assert float(np.median(late)) <= 3.0
