@@ -20,9 +20,10 @@ say how long the streak is (``evidence["streak_steps"]``) or name the onset
 (``evidence["onset_step"]``); ``first_step`` is that onset, ``detected_step``
 the step at which rankscope first reported the incident.
 
-Only incidents worth telling become findings: ones with a confirmed signal
-(severity other than ``transient``) and unattributed ones (reported, never
-blamed; a slowness one of transient signals from its second signal).
+Only incidents worth telling become findings (``report_gate.py``): ones with a
+confirmed signal (severity other than ``transient``; a mild straggler once it
+has lasted) and unattributed ones (reported, never blamed; a slowness one of
+transient signals from its second signal).
 Unconfirmed transient deviations stay in the score heatmap unless
 ``report_transient`` is set. The action comes from ``rankscope.pipeline.engine.policy``; when
 an incident's action first becomes ``recover`` or ``evict`` the step and time
@@ -45,14 +46,12 @@ from rankscope.pipeline.engine.policy import (
     decide_action,
     degraded,
 )
+from rankscope.pipeline.engine.report_gate import LONE_WAIT_RULES
+from rankscope.pipeline.engine.report_gate import reportable as reportable_now
 from rankscope.pipeline.engine.signal_reads import onset_of, slowdown_of, step_ratio_of
 
 __all__ = ["IncidentTracker"]
 
-# Network rules that only say "this rank waited less than the others": with no
-# other rule behind them they fit unaccounted time (a rank with other work) as
-# well as a slow link, so they never evict on their own.
-LONE_WAIT_RULES = frozenset({"last_arrival_or_shortest_wait", "peer_comm_s"})
 SLOWDOWN_SIGNALS = 16  # an incident's sustained slowdown: median over its latest signals
 CURRENT_STEPS = 4  # a straggler's current slowdown: median over its latest steps
 
@@ -87,12 +86,6 @@ class _Incident:
         self.current: dict[int, float] = {}  # step -> compute over its reference that step
         self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
 
-
-UNATTRIBUTED_TRANSIENT_SIGNALS = 2
-"""An unattributed slowness incident of transient signals is reported from its second."""
-
-LONE_WAIT_SIGNALS = 2
-"""A network incident of lone-wait signals only is reported from its second."""
 
 DORMANT_SHARE = 0.125
 """A quiet degraded incident is reopened by a later mild signal while its signals
@@ -202,7 +195,7 @@ class IncidentTracker:
         for inc in self._open:
             if step - inc.last_step <= self.merge_gap_steps:
                 still.append(inc)
-            elif inc.reported and self._is_degraded(inc):
+            elif self._is_degraded(inc) and (inc.reported or _held_back(inc)):
                 self._degraded[(inc.kind, tuple(sorted(inc.ranks)))] = inc
             elif inc.reported and not inc.unattributed:
                 old = self._closed.pop((inc.kind, tuple(sorted(inc.ranks))), None)
@@ -305,19 +298,8 @@ class IncidentTracker:
         worse = SEVERITY_RANK.get(sig.severity, 0) > SEVERITY_RANK[inc.severity]
         if worse:
             inc.severity = sig.severity
-        # unattributed (reported, never blamed): at once, but transient slowness takes a
-        # second signal (one step of a clean 2-core host's jitter left 3 of 42 clean bench
-        # runs with a one-step "no one to blame" network finding, bench_false_alarms)
-        reportable = (
-            inc.severity != "transient"
-            or (inc.unattributed and (inc.kind not in SLOWNESS_KINDS
-                                      or inc.signals >= UNATTRIBUTED_TRANSIENT_SIGNALS))
-            or self.report_transient
-        )  # fmt: skip
-        # a shorter wait alone is the weakest evidence there is: one step of it is a
-        # crowded host's jitter as often as a link (docs/detectors.md, "Actions")
-        if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
-            reportable = reportable and inc.signals >= LONE_WAIT_SIGNALS
+        reportable = not inc.reported and reportable_now(
+            inc, self.policy, step, self._sustained(inc), self.report_transient)
         if reportable and not inc.reported and (self._beside_link(inc) or self._waits_least(inc)):
             reportable = False  # an echo of a fault already named, while that one is open
         if reportable and not inc.reported:
@@ -425,6 +407,12 @@ class IncidentTracker:
         self._closed = {(i.kind, tuple(sorted(i.ranks))): i for i in closed}
         self.pace = JobPace()
         self.pace.load_state_dict(d.get("pace", {}))
+
+
+def _held_back(inc: _Incident) -> bool:
+    """A confirmed mild straggler the report gate holds until it has lasted: kept while
+    quiet like a reported one, so a rank slow in short bursts is still one finding."""
+    return inc.kind == "straggler" and inc.severity != "transient" and not inc.unattributed
 
 
 def _one_host_note(evidence: dict, hosts: list[str], job_hosts) -> None:

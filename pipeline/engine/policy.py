@@ -41,6 +41,14 @@ class PolicyConfig:
     """... and only while it is still slow: a straggler's median compute over its
     reference in its latest steps (``current_slowdown``, up to 4) at least this. A rank
     whose window still remembers a slow spell it has left is watched, not evicted."""
+    degraded_report_steps: int = 12
+    """A straggler too mild to act on is reported only once this many steps have passed
+    since its onset (``report_gate.py``): a crowded host's chance spells are shorter."""
+    mild_report_slowdown: float = 1.3
+    """A straggler whose sustained slowdown is under this (and at least
+    ``evict_slowdown``) is reported only once ``mild_report_steps`` have passed."""
+    mild_report_steps: int = 6
+    """One step past ``evict_after_steps``: a mild spell is told when it could be acted on."""
 
     def __post_init__(self) -> None:
         if self.evict_after_steps < 1:
@@ -49,6 +57,12 @@ class PolicyConfig:
             raise ValueError(
                 f"recurring_sdc_incidents must be >= 1, got {self.recurring_sdc_incidents}"
             )
+        if self.degraded_report_steps < 1:
+            raise ValueError(
+                f"degraded_report_steps must be >= 1, got {self.degraded_report_steps}"
+            )
+        if self.mild_report_steps < 1:
+            raise ValueError(f"mild_report_steps must be >= 1, got {self.mild_report_steps}")
         if not self.evict_slowdown > 1.0:
             raise ValueError(f"evict_slowdown must be > 1, got {self.evict_slowdown}")
         if not self.evict_current_slowdown >= 1.0:

@@ -42,15 +42,39 @@ def test_a_persistently_mild_rank_is_one_degraded_observe_finding():
 
 def test_a_chance_mild_episode_long_before_a_fault_is_not_its_onset():
     """bench f600, fault-straggler1.25-amp-0016: rank 2 read 1.07-1.19x for 3 steps at
-    step 145 by chance, then a 1.25x fault from step 300 read 1.1-1.2x: two findings,
-    the fault's own from its onset (one degraded finding from 144 before)."""
-    tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
-    fs = _feed(tr, 400, lambda s: 145 <= s < 148 or s >= 310, lambda s: 1.0 + 0.01 * (s % 3),
+    step 145 by chance, then a 1.25x fault from step 300 read 1.1-1.2x: the fault's
+    finding starts at its own onset. The chance episode, shorter than
+    ``degraded_report_steps``, is no finding at all; with the gate off it is its own."""
+    fs = _feed(IncidentTracker("j", PolicyConfig(), merge_gap_steps=2), 400,
+               lambda s: 145 <= s < 148 or s >= 310, lambda s: 1.0 + 0.01 * (s % 3),
                lambda: _slow(rank=2, ratio=1.15))  # fmt: skip
-    chance, fault = fs
-    assert chance.first_step == 144 and chance.last_step == 147
+    (fault,) = fs
     assert fault.first_step == 309 and fault.last_step == 399
+    assert fault.detected_step == 309 + 12 - 1  # reported once it has lasted
     assert fault.evidence["degraded"] is True and fault.action == "observe"
+    tr = IncidentTracker("j", PolicyConfig(degraded_report_steps=1), merge_gap_steps=2)
+    chance, fault = _feed(tr, 400, lambda s: 145 <= s < 148 or s >= 310,
+                          lambda s: 1.0 + 0.01 * (s % 3), lambda: _slow(rank=2, ratio=1.15))
+    assert chance.first_step == 144 and chance.last_step == 147
+    assert fault.first_step == 309 and fault.detected_step == 310
+
+
+def test_a_mild_spell_must_last_but_a_strong_one_is_told_at_once():
+    """The report gate (``report_gate.py``): a 1.15x spell of 8 steps, a crowded host's
+    chance, is no finding; one of 30 is, from its onset, once 12 steps have passed; a
+    1.28x one once 6 have (it could evict no sooner); a 1.5x slowdown is reported on
+    its first confirmed step."""
+    def first(ratio, steps):
+        tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+        fs = _feed(tr, 100, lambda s: 40 <= s < 40 + steps, lambda s: 1.0 + 0.01 * (s % 3),
+                   lambda: _slow(ratio=ratio))  # fmt: skip
+        return [(f.first_step, f.detected_step) for f in fs]
+
+    assert first(1.15, 8) == []
+    assert first(1.15, 30) == [(39, 50)]
+    assert first(1.28, 4) == []
+    assert first(1.28, 10) == [(39, 44)]
+    assert first(1.5, 2) == [(39, 40)]
 
 
 def test_a_strong_slowdown_the_job_pays_for_evicts_once_persistent():

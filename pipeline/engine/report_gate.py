@@ -1,0 +1,56 @@
+"""When an incident is worth telling: the evidence a finding needs before it is reported.
+
+Detectors confirm (severity other than ``transient``); this gate adds what one
+signal cannot show. Unattributed transient slowness and a network incident of
+shorter waits only take a second signal (one step of a crowded host's jitter is
+as likely). A straggler too mild to act on (``policy.degraded``) is reported
+only once it has lasted ``PolicyConfig.degraded_report_steps`` from its onset
+("degraded" means persistently a little slow), and one under
+``mild_report_slowdown`` once it has lasted ``mild_report_steps``, one step past
+the earliest it could evict: a crowded host slows one rank by 1.1-1.4x for 4-9
+steps every few hundred steps (docs/false-alarms.md, thirty-fourth session).
+"""
+
+from __future__ import annotations
+
+from rankscope.pipeline.engine.policy import SLOWNESS_KINDS, PolicyConfig, degraded
+
+__all__ = ["LONE_WAIT_RULES", "reportable"]
+
+# Network rules that only say "this rank waited less than the others": with no
+# other rule behind them they fit unaccounted time (a rank with other work) as
+# well as a slow link, so they never evict on their own.
+LONE_WAIT_RULES = frozenset({"last_arrival_or_shortest_wait", "peer_comm_s"})
+
+UNATTRIBUTED_TRANSIENT_SIGNALS = 2
+"""An unattributed slowness incident of transient signals is reported from its second."""
+
+LONE_WAIT_SIGNALS = 2
+"""A network incident of lone-wait signals only is reported from its second."""
+
+
+def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
+               report_transient: bool = False) -> bool:  # fmt: skip
+    """Whether incident ``inc`` (not yet reported) is a finding as of ``step``;
+    ``sustained``: its sustained slowdown so far (None: not measured)."""
+    # unattributed (reported, never blamed): at once, but transient slowness takes a
+    # second signal (one step of a clean 2-core host's jitter left 3 of 42 clean bench
+    # runs with a one-step "no one to blame" network finding, bench_false_alarms)
+    ok = (
+        inc.severity != "transient"
+        or (inc.unattributed and (inc.kind not in SLOWNESS_KINDS
+                                  or inc.signals >= UNATTRIBUTED_TRANSIENT_SIGNALS))
+        or report_transient
+    )  # fmt: skip
+    # a shorter wait alone is the weakest evidence there is: one step of it is a
+    # crowded host's jitter as often as a link (docs/detectors.md, "Actions")
+    if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
+        ok = ok and inc.signals >= LONE_WAIT_SIGNALS
+    if (ok and inc.kind == "straggler" and not inc.unattributed and not report_transient
+            and sustained is not None):  # fmt: skip
+        lasted = step - inc.first_step + 1
+        if degraded(policy, inc.kind, sustained):
+            ok = lasted >= policy.degraded_report_steps
+        elif sustained < policy.mild_report_slowdown:
+            ok = lasted >= policy.mild_report_steps
+    return ok
