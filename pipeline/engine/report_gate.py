@@ -1,14 +1,15 @@
 """When an incident is worth telling: the evidence a finding needs before it is reported.
 
 Detectors confirm (severity other than ``transient``); this gate adds what one
-signal cannot show. Unattributed transient slowness and a network incident of
-shorter waits only take a second signal (one step of a crowded host's jitter is
-as likely). A straggler too mild to act on (``policy.degraded``) is reported
-only once it has lasted ``PolicyConfig.degraded_report_steps`` from its onset
-("degraded" means persistently a little slow), and one under
-``mild_report_slowdown`` once it has lasted ``mild_report_steps``, one step past
-the earliest it could evict: a crowded host slows one rank by 1.1-1.4x for 4-9
-steps every few hundred steps (docs/false-alarms.md, thirty-fourth session).
+signal cannot show. Unattributed transient slowness, a network incident of
+shorter waits only and a degraded one take a second signal (one step of a
+crowded host's jitter is as likely). A straggler too mild to act on
+(``policy.degraded``) is reported only once it has lasted
+``PolicyConfig.degraded_report_steps`` from its onset ("degraded" means
+persistently a little slow), and one under ``mild_report_slowdown`` once it has
+lasted ``mild_report_steps``, one step past the earliest it could evict: a
+crowded host slows one rank by 1.1-1.4x for 4-9 steps every few hundred steps
+(docs/false-alarms.md, thirty-fourth session).
 """
 
 from __future__ import annotations
@@ -53,4 +54,7 @@ def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
             ok = lasted >= policy.degraded_report_steps
         elif sustained < policy.mild_report_slowdown:
             ok = lasted >= policy.mild_report_steps
+    if ok and inc.kind == "network" and not inc.unattributed and not report_transient:
+        if degraded(policy, inc.kind, sustained):
+            ok = inc.signals >= LONE_WAIT_SIGNALS
     return ok

@@ -77,6 +77,22 @@ def test_a_mild_spell_must_last_but_a_strong_one_is_told_at_once():
     assert first(1.5, 2) == [(39, 40)]
 
 
+def test_a_mild_late_arrival_of_one_step_is_no_finding():
+    """cl600e nanogpt_master (thirty-fourth session): one step of a rank arriving last,
+    1.4 ms awaited, slowdown 1.03x: a finding. A degraded network incident now takes a
+    second signal; a strong one is still reported on its first."""
+    def first(ratio, steps):
+        tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
+        fs = _feed(tr, 60, lambda s: 40 <= s < 40 + steps, lambda s: 1.0 + 0.01 * (s % 3),
+                   lambda: _slow(kind="network", ratio=ratio, rule="persistent_last_arrival",
+                                 streak=1))  # fmt: skip
+        return [(f.first_step, f.detected_step) for f in fs]
+
+    assert first(1.03, 1) == []
+    assert first(1.03, 3) == [(40, 41)]
+    assert first(1.5, 1) == [(40, 40)]
+
+
 def test_a_strong_slowdown_the_job_pays_for_evicts_once_persistent():
     tr = IncidentTracker("j", PolicyConfig(), merge_gap_steps=2)
     fs = _feed(tr, 60, lambda s: s >= 30, lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3),
