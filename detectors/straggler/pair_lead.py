@@ -48,7 +48,8 @@ def pair_lead_hits(frame: StepFrame, idx: PeerIndex, c: Consensus, i: int, cfg, 
     if not rows.size:
         return none, none
     other = other_member(idx, rows)
-    rows, other = rows[x[rows] > x[other]], other[x[rows] > x[other]]  # the slower one
+    slower = x[rows] > x[other]
+    rows, other = rows[slower], other[slower]
     if not rows.size:
         return none, none
     metric = cfg.metrics[i]

@@ -300,9 +300,9 @@ class IncidentTracker:
             inc.severity = sig.severity
         reportable = not inc.reported and reportable_now(
             inc, self.policy, step, self._sustained(inc), self.report_transient)
-        if reportable and not inc.reported and (self._beside_link(inc) or self._waits_least(inc)):
+        if reportable and (self._beside_link(inc) or self._waits_least(inc)):
             reportable = False  # an echo of a fault already named, while that one is open
-        if reportable and not inc.reported:
+        if reportable:
             inc.reported = True
             inc.detected_step = step
             inc.detected_t = float(t)

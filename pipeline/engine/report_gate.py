@@ -26,8 +26,9 @@ LONE_WAIT_RULES = frozenset({"last_arrival_or_shortest_wait", "peer_comm_s"})
 UNATTRIBUTED_TRANSIENT_SIGNALS = 2
 """An unattributed slowness incident of transient signals is reported from its second."""
 
-LONE_WAIT_SIGNALS = 2
-"""A network incident of lone-wait signals only is reported from its second."""
+WEAK_NETWORK_SIGNALS = 2
+"""A network incident of lone-wait signals only, or a degraded one, is reported from
+its second signal."""
 
 
 def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
@@ -43,10 +44,15 @@ def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
                                   or inc.signals >= UNATTRIBUTED_TRANSIENT_SIGNALS))
         or report_transient
     )  # fmt: skip
-    # a shorter wait alone is the weakest evidence there is: one step of it is a
-    # crowded host's jitter as often as a link (docs/detectors.md, "Actions")
-    if inc.kind == "network" and inc.rules and inc.rules <= LONE_WAIT_RULES:
-        ok = ok and inc.signals >= LONE_WAIT_SIGNALS
+    # a shorter wait alone is the weakest evidence there is, and a degraded late arrival
+    # the next: one step of either is a crowded host's jitter as often as a link
+    # (docs/detectors.md, "Actions")
+    if inc.kind == "network" and (
+        (inc.rules and inc.rules <= LONE_WAIT_RULES)
+        or (not inc.unattributed and not report_transient
+            and degraded(policy, inc.kind, sustained))
+    ):  # fmt: skip
+        ok = ok and inc.signals >= WEAK_NETWORK_SIGNALS
     if (ok and inc.kind == "straggler" and not inc.unattributed and not report_transient
             and sustained is not None):  # fmt: skip
         lasted = step - inc.first_step + 1
@@ -54,7 +60,4 @@ def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
             ok = lasted >= policy.degraded_report_steps
         elif sustained < policy.mild_report_slowdown:
             ok = lasted >= policy.mild_report_steps
-    if ok and inc.kind == "network" and not inc.unattributed and not report_transient:
-        if degraded(policy, inc.kind, sustained):
-            ok = inc.signals >= LONE_WAIT_SIGNALS
     return ok
