@@ -198,7 +198,8 @@ class SlowWindow:
         sigmas understate a skewed spread), so a window's sum over ``sqrt(w) x
         scale`` is standard normal under no fault. Also offers this step's
         statistics for ``learn``. With ``raw``, also the same z unclipped (one
-        step's own evidence, for a per-step test), as a third value.
+        step's own evidence, for a per-step test), as a third value, and the
+        learnt sigma it divides by as a fourth.
         """
         sigma = idx.rows(self._ref(idx.keys, self.sig, self.sig_n, "median"))
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -215,7 +216,7 @@ class SlowWindow:
         scale = np.sqrt(idx.rows(self._ref(idx.keys, self.zvar, self.var_n, "mean")))
         self.pending = (np.asarray(idx.keys, dtype=np.int64).copy(), rel_sigma, var_g)
         if raw:
-            return z, scale, unclipped - centre_rows
+            return z, scale, unclipped - centre_rows, sigma
         return z, scale
 
     def learn(self, clean_frac: float, step: int) -> None:

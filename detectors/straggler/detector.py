@@ -37,7 +37,7 @@ from rankscope.detectors.straggler.slowest_count import SlowestCount, slowest_hi
 from rankscope.detectors.straggler.sped_up import peers_sped_up
 from rankscope.detectors.straggler.streaks import SlowStreaks
 from rankscope.detectors.straggler.token_model import TokenModel, per_median_batch
-from rankscope.detectors.straggler.window import window_hits, window_signal
+from rankscope.detectors.straggler.window import noise_evidence, window_hits, window_signal
 
 __all__ = ["StragglerConfig", "StragglerState", "detect"]
 
@@ -481,7 +481,8 @@ def _signal(frame, idx, c, hit, row, state, cfg, streak, win, lead=False) -> Sig
             slow_metrics=[cfg.metrics[j] for j in np.flatnonzero(hit[:, row])],
             streak_steps=streak,
             **{**(_expected(win, row, value, rel) if by_tokens else {}),
-               **({"rule": "lead"} if lead else {})},
+               **({"rule": "lead"} if lead else {}),
+               **(noise_evidence(win, row) if metric == cfg.window_metric else {})},
             **({"gpu": gpu} if gpu else {}),
         ),
     )

@@ -23,7 +23,7 @@ from rankscope.detectors.stats.robust import group_stats
 from rankscope.detectors.stats.slow_window import SlowWindow, z_threshold
 from rankscope.detectors.straggler.token_model import TokenModel
 
-__all__ = ["WindowResult", "window_hits", "window_signal", "HOLD"]
+__all__ = ["WindowResult", "window_hits", "window_signal", "noise_evidence", "HOLD"]
 
 HOLD = 0.5  # a named rank stays named while its last few steps keep this share of the floors
 
@@ -41,6 +41,7 @@ class WindowResult:
     step_hit: np.ndarray  # this step alone: far above the learnt spread (see _step_hits)
     step_ratio: np.ndarray  # this step's compute over what its peers predict for it
     step_z: np.ndarray  # the same, as a z over the group's learnt spread (unclipped)
+    noise: np.ndarray  # the group's learnt per-step sigma of that log ratio (NaN: not learnt)
 
 
 def _relative(frame: StepFrame, idx, c, i: int, model: TokenModel | None):
@@ -90,7 +91,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
     if busy is not None and busy.any():  # no reading this step: nothing for or against
         log_ratio = np.where(busy, np.nan, log_ratio)
     with np.errstate(invalid="ignore", divide="ignore"):
-        z, scale, raw = ws.standardize(idx, log_ratio, count, rel_sigma, raw=True)
+        z, scale, raw, sigma = ws.standardize(idx, log_ratio, count, rel_sigma, raw=True)
     res = ws.update(frame.rank, z, log_ratio, x - ref, scale)
     out = WindowResult(
         hit=np.zeros(n, dtype=bool),
@@ -102,6 +103,7 @@ def window_hits(frame: StepFrame, idx, c, ws: SlowWindow, model: TokenModel, cfg
         step_hit=np.zeros(n, dtype=bool),
         step_ratio=np.exp(log_ratio),
         step_z=raw,
+        noise=sigma * scale,
     )
     with np.errstate(invalid="ignore"):
         far = raw > cfg.z_min
@@ -212,6 +214,15 @@ def window_signal(frame: StepFrame, idx, c, win: WindowResult, row: int, state, 
             per_token=win.per_token,
             onset_step=int(frame.step) - back + 1,
             slow_metrics=[cfg.window_metric],
+            **noise_evidence(win, row),
             **({"gpu": gpu} if gpu else {}),
         ),
     )
+
+
+def noise_evidence(win: WindowResult | None, row: int) -> dict:
+    """``noise``: the learnt per-step sigma of the rank's log compute ratio in its
+    group, the yardstick of how far from chance a slowdown is (the report gate's)."""
+    if win is None or not np.isfinite(win.noise[row]) or win.noise[row] <= 0:
+        return {}
+    return {"noise": num(win.noise[row])}
