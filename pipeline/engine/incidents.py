@@ -61,7 +61,7 @@ class _Incident:
         "kind", "ranks", "first_ranks", "first_step", "last_step", "detected_step",
         "detected_t", "score", "detector", "severity", "evidence", "unattributed",
         "signals", "detectors", "reported", "fid", "actions", "slowdowns", "rules",
-        "current",
+        "current", "noise",
     )  # fmt: skip
 
     def __init__(self, job: str, sig: Signal, step: int) -> None:
@@ -84,6 +84,7 @@ class _Incident:
         self.slowdowns: list[float] = []  # per signal: how much slower than its peers
         self.rules: set[str] = set()
         self.current: dict[int, float] = {}  # step -> compute over its reference that step
+        self.noise: float | None = None  # its group's learnt per-step sigma (log ratio)
         self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
 
 
@@ -289,6 +290,9 @@ class IncidentTracker:
             inc.current[step] = max(now, inc.current.get(step, now))
             for old in sorted(inc.current)[:-CURRENT_STEPS]:
                 del inc.current[old]
+        noise = (sig.evidence or {}).get("noise")
+        if isinstance(noise, (int, float)) and noise > 0:
+            inc.noise = float(noise)
         rule = (sig.evidence or {}).get("rule")
         if rule:
             inc.rules.add(str(rule))
@@ -437,7 +441,7 @@ def _inc_dict(i: _Incident) -> dict:
         "evidence": i.evidence, "unattributed": i.unattributed,
         "signals": i.signals, "detectors": sorted(i.detectors),
         "reported": i.reported, "fid": i.fid, "actions": i.actions,
-        "slowdowns": list(i.slowdowns), "rules": sorted(i.rules),
+        "slowdowns": list(i.slowdowns), "rules": sorted(i.rules), "noise": i.noise,
         "current": [[k, v] for k, v in sorted(i.current.items())],
     }  # fmt: skip
 
@@ -463,6 +467,7 @@ def _inc_load(job: str, s: dict) -> _Incident:
     inc.slowdowns = [float(x) for x in s.get("slowdowns", [])]
     inc.rules = set(s.get("rules", []))
     inc.current = {int(k): float(v) for k, v in s.get("current", [])}
+    inc.noise = s.get("noise")
     return inc
 
 

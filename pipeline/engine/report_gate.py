@@ -9,14 +9,18 @@ crowded host's jitter is as likely). A straggler too mild to act on
 persistently a little slow), and one under ``mild_report_slowdown`` once it has
 lasted ``mild_report_steps``, one step past the earliest it could evict: a
 crowded host slows one rank by 1.1-1.4x for 4-9 steps every few hundred steps
-(docs/false-alarms.md, thirty-fourth session).
+(docs/false-alarms.md, thirty-fourth session). Those spells are a few of the
+job's own sigmas; a slowdown ``clear_sigmas`` of them (a quiet job's mild
+straggler) is told at once (thirty-fifth session).
 """
 
 from __future__ import annotations
 
+import math
+
 from rankscope.pipeline.engine.policy import SLOWNESS_KINDS, PolicyConfig, degraded
 
-__all__ = ["LONE_WAIT_RULES", "reportable"]
+__all__ = ["LONE_WAIT_RULES", "clear_of_noise", "reportable"]
 
 # Network rules that only say "this rank waited less than the others": with no
 # other rule behind them they fit unaccounted time (a rank with other work) as
@@ -56,8 +60,18 @@ def reportable(inc, policy: PolicyConfig, step: int, sustained: float | None,
     if (ok and inc.kind == "straggler" and not inc.unattributed and not report_transient
             and sustained is not None):  # fmt: skip
         lasted = step - inc.first_step + 1
+        if clear_of_noise(policy, sustained, inc.noise):
+            return True  # no chance spell of a job this quiet: nothing to wait for
         if degraded(policy, inc.kind, sustained):
             ok = lasted >= policy.degraded_report_steps
         elif sustained < policy.mild_report_slowdown:
             ok = lasted >= policy.mild_report_steps
     return ok
+
+
+def clear_of_noise(policy: PolicyConfig, sustained: float | None, noise: float | None) -> bool:
+    """A sustained slowdown ``policy.clear_sigmas`` of the group's learnt per-step sigma
+    (``noise``, of the log ratio) or more: no chance spell of this job's, however mild."""
+    if not policy.clear_sigmas or sustained is None or noise is None or not noise > 0:
+        return False
+    return math.log(max(sustained, 1.0)) >= policy.clear_sigmas * noise
