@@ -381,6 +381,8 @@ def _pair_signal(frame, x, i, row, members, state, cfg, streak, rule="pair") -> 
             reason="two peers: it slowed down against its own history, the other did not "
             "and waited for it",
             streak_steps=streak,
+            **(state.pair_gap.noise(int(frame.rank[row])) if cfg.metrics[i] == cfg.window_metric
+               else {}),
             **({"gpu": g} if (g := gpu_context(frame, row)) else {}),
         ),
     )

@@ -144,6 +144,15 @@ class PairGap:
         rms = np.sqrt(np.square(dev).sum(axis=1) / np.maximum(have, 1))
         self.spread[r] = np.maximum(rms, SPREAD_FLOOR)
 
+    def noise(self, rank: int) -> dict:
+        """``noise`` for a signal on two peers: the learnt spread of the rank's log gap to its
+        partner (both members' jitter, so more than one rank's: the report gate's yardstick
+        errs towards waiting). Empty until the usual gap judges."""
+        if rank >= self.base_n.shape[0] or self.base_n[rank] < MIN_BASE:
+            return {}
+        spread = float(self.spread[rank])
+        return {"noise": num(spread)} if math.isfinite(spread) and spread > 0 else {}
+
     def state_dict(self) -> dict:
         out = dump_rings(self, RINGS, FLATS)
         out["base"] = [[None if not math.isfinite(v) else v for v in row]
@@ -280,6 +289,7 @@ def pair_gap_signal(frame, x: np.ndarray, row: int, res: PairGapResult, state, c
             slow_metrics=[cfg.window_metric],
             reason="two peers: it trailed its partner, well past their usual gap, for "
             f"{state.pair_gap.steps} steps, and the partner waited for it",
+            **state.pair_gap.noise(int(frame.rank[row])),
             **({"gpu": g} if (g := gpu_context(frame, row)) else {}),
         ),
     )

@@ -18,6 +18,7 @@ from rankscope.pipeline.engine.policy import PolicyConfig
 from support.synth import layout
 from support.synth import run_detector as run
 from test_detectors_stragglers import noisy_frames
+from test_straggler_pair_gap import frames as pair_frames
 
 
 def _reported(frames, policy=None):
@@ -61,3 +62,23 @@ def test_a_noisy_jobs_mild_straggler_still_has_to_last():
     assert [r for r, _, _ in found] == [5]
     (_, onset, told), = found
     assert told - onset + 1 >= PolicyConfig().mild_report_steps
+
+
+def test_two_peers_measure_the_wait_in_their_gaps_spread():
+    """Two replicas (pp 2 x dp 2) have no group spread: their signals carry the learnt
+    spread of the rank's log gap to its partner (both ranks' jitter: 2 % a rank reads
+    about 3 %). A quiet replica 1.28x slower (``pair``) is then told on its first
+    signal, not once the mild wait has passed; a noisy pair's spread is far larger."""
+    quiet = pair_frames(np.random.default_rng(1), slow=1.28, faster=1.0, onset=40, steps=80,
+                        jitter=0.02, start_until=0)  # fmt: skip
+    found, noise = _reported(quiet)
+    assert 0.02 < float(np.median(noise)) < 0.045
+    (rank, onset, told), = found
+    outs, _ = run(S, quiet)
+    first = min(i for i, o in enumerate(outs) if o.signals)
+    assert rank == 1 and 40 <= onset <= first and told == first
+    (_, _, waited), = _reported(quiet, PolicyConfig(clear_sigmas=0))[0]
+    assert waited >= onset + PolicyConfig().mild_report_steps - 1 > told
+    _, loud = _reported(pair_frames(np.random.default_rng(1), slow=1.28, faster=1.0, onset=40,
+                                    steps=80, jitter=0.12, start_until=0))  # fmt: skip
+    assert float(np.median(loud)) > 0.1
