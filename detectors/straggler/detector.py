@@ -154,7 +154,8 @@ class StragglerState(PartsState):
         self.pair_named = StreakCounter()  # leaky: steps its pair's histories named it (pair.py)
         self.named_rate = FlagRate(cfg.history_steps)  # how often chance ends such a streak
         self.suspect: tuple[int, np.ndarray] | None = None  # (step, rows its pair flagged)
-        self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps)
+        self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps,
+                                cfg.pair_gap_ratio)  # fmt: skip
         self.slowest = SlowestCount(cfg.slowest_steps)  # slowest-of-group counts
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
@@ -202,7 +203,7 @@ def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> Det
     gap = None
     if few and cfg.window_metric and cfg.pair_gap_steps:
         xw = x[cfg.metrics.index(cfg.window_metric)]
-        gap = pair_gap_hits(frame, idx, xw, state.pair_gap, cfg)
+        gap = pair_gap_hits(frame, idx, xw, state.pair_gap, cfg, batched)
     with np.errstate(invalid="ignore"):
         slow = c.z > cfg.z_min  # the selective test first; the rest only if needed
         if slow.any():
