@@ -13,26 +13,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rankscope.detectors.straggler import detector as S
-from support.synth import layout, make_frame
 from support.synth import run_detector as run
 from test_straggler_pair_gap import frames, named
+from test_straggler_pair_tokens import frames as token_frames
 
 
-def _token_frames(rng, *, slow=1.18, onset=60, steps=150, jitter=0.015):
-    """pp 2 x dp 2, each rank's compute in proportion to its batch (96-320 tokens) with
-    ``jitter`` (log sd); from ``onset`` rank 1 takes ``slow`` times longer."""
-    lay = layout(2, 1, 2)
-    out = []
-    for step in range(steps):
-        tokens = rng.integers(96, 321, 4).astype(float)
-        compute = 0.1 * tokens / 200 * np.exp(jitter * rng.standard_normal(4))
-        if step >= onset:
-            compute[1] *= slow
-        comm = np.maximum(compute, compute[[1, 0, 3, 2]]) - compute + 0.01
-        m = {"compute_s": compute, "data_s": np.full(4, 0.001), "comm_s": comm,
-             "step_s": compute + comm + 0.001, "tokens": tokens}  # fmt: skip
-        out.append(make_frame(lay, step, m))
-    return out
+def _token_frames(seed, *, slow=1.18, onset=60, steps=150, jitter=0.01):
+    """pp 2 x dp 2 with batches of 256-1024 tokens (test_straggler_pair_tokens.py); from
+    ``onset`` rank 1 takes ``slow`` times longer."""
+    return token_frames(seed, slow=slow, steps=steps, onset=onset, until=steps, jitter=jitter)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -53,13 +42,13 @@ def test_a_quiet_replica_a_little_slower_is_named_on_its_gap(seed):
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_pair_with_tokens_learns_its_usual_gap_per_median_batch(seed):
-    outs, state = run(S, _token_frames(np.random.default_rng(seed)))
+    outs, state = run(S, _token_frames(seed))
     assert float(state.pair_gap.spread[1]) < 0.05  # not the raw batches' +-50 %
     got = named(outs)
     assert got and {s.ranks for _, s in got} == {(1,)}
     first, sig = got[0]
     assert first <= 60 + 14 and 60 <= sig.evidence["onset_step"] <= first
-    clean, _ = run(S, _token_frames(np.random.default_rng(seed), slow=1.0))
+    clean, _ = run(S, _token_frames(seed, slow=1.0))
     assert not [s for o in clean for s in o.signals]
 
 
@@ -67,14 +56,14 @@ def test_a_noisy_pair_with_tokens_keeps_its_raw_readings_in_the_usual_gap():
     """6 % jitter a rank: per median batch its spread is no quiet pair's, so the usual gap
     keeps the raw readings' width (a crowded host's 12-20 step drifts of 1.3x between two
     varlen replicas named healthy ranks when it did not)."""
-    outs, state = run(S, _token_frames(np.random.default_rng(4), slow=1.0, jitter=0.06))
+    outs, state = run(S, _token_frames(4, slow=1.0, jitter=0.06))
     pg = state.pair_gap
     assert pg.base_s[:, 1].sum() >= 8 and not pg.by_batch.any()
     assert float(pg.spread[1]) > pg.quiet_spread
 
 
 def test_the_pair_gap_state_round_trips_with_its_readings_per_median_batch():
-    _, state = run(S, _token_frames(np.random.default_rng(5), slow=1.0, steps=80))
+    _, state = run(S, _token_frames(5, slow=1.0, steps=80))
     pg = state.pair_gap
     assert pg.by_batch[:4].all()
     back = S.StragglerState(S.StragglerConfig())

@@ -12,9 +12,9 @@ from support.synth import layout, make_frame
 from support.synth import run_detector as run
 
 
-def frames(seed, *, long_batches=False, slow=1.0, steps=64, onset=30, until=54):
+def frames(seed, *, long_batches=False, slow=1.0, steps=64, onset=30, until=54, jitter=0.03):
     """pp 2 x dp 2 whose batches hold 256-1024 tokens, compute affine in them (20 ms +
-    80 ms per 640 tokens, 3 % jitter), each stage's two replicas meeting in their
+    80 ms per 640 tokens, ``jitter`` log sd), each stage's two replicas meeting in their
     all-reduce (the faster waits). From ``onset`` to ``until`` rank 1 gets only long
     batches and rank 0 short ones (``long_batches``), or rank 1 takes ``slow`` times
     longer for its batch."""
@@ -26,7 +26,7 @@ def frames(seed, *, long_batches=False, slow=1.0, steps=64, onset=30, until=54):
         inside = onset <= step < until
         if long_batches and inside:
             tokens[1], tokens[0] = rng.integers(900, 1025), rng.integers(256, 400)
-        compute = (0.02 + 0.08 * tokens / 640) * np.exp(0.03 * rng.standard_normal(4))
+        compute = (0.02 + 0.08 * tokens / 640) * np.exp(jitter * rng.standard_normal(4))
         if inside:
             compute[1] *= slow
         comm = np.maximum(compute, compute[[1, 0, 3, 2]]) - compute + 0.01
