@@ -53,9 +53,10 @@ class PairGap:
                  "seen", "base", "base_s", "base_n", "usual", "spread", "active", "by_batch",
                  "quiet_spread", "pending")  # fmt: skip
 
-    def __init__(self, steps: int, history: int, min_steps: int, ratio: float = 1.2) -> None:
+    def __init__(self, steps: int, history: int, min_steps: int, ratio: float) -> None:
         self.steps = max(int(steps), 1)
-        # a pair this quiet per median batch is judged on those readings alone
+        # a pair this quiet per median batch (``ratio``: pair_gap_ratio) is judged on
+        # those readings alone
         self.quiet_spread = math.log(ratio) / LEAST_GAP_SPREADS
         self.history = int(history)
         self.min_steps = int(min_steps)  # a rank's first readings (warm-up) teach nothing
