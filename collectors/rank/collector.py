@@ -217,6 +217,7 @@ class RankCollector:
         for patch in self._patches.all:
             patch.install()
         st.step_start_perf = time.perf_counter()
+        st.run_wait_start = st.run_queue.read()
         st.phase = "data"
         me, cfg = self.identity, self.config
         self._beat = BeatThread(state=st, job=self.job, rank=me.rank, host=me.host,
@@ -319,6 +320,7 @@ class RankCollector:
             if callable(getattr(self.control, "close", None)):
                 self.control.close()
             self._emit_pending()
+            self.state.run_queue.close()
         except Exception as exc:
             self._faults.hit("close() bookkeeping", exc)
         if not self._sender.close(self.config.close_timeout_s):

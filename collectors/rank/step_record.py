@@ -71,10 +71,11 @@ def build_step_record(base: dict, p: dict) -> dict:
     for k in _COPIED:
         rec[k] = p[k]
     timing, events = p.get("device") or (None, None)
-    if events is not None:  # CUDA: device times once the step's events completed
-        device = timing.resolve(events)
-        if device is not None:
-            rec["compute_s"], rec["comm_s"] = device
+    device = timing.resolve(events) if events is not None else None
+    if device is not None:  # CUDA: device times once the step's events completed
+        rec["compute_s"], rec["comm_s"] = device
+    elif p.get("cpu_wait_s") is not None:  # wall-time compute_s: the host's share of it
+        rec["cpu_wait_s"] = p["cpu_wait_s"]
     _put(rec, "loss", _as_float(p["loss"]))
     _put(rec, "lr", _as_float(p["lr"]))
     if p["local"]:

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankscope.collectors.rank.run_queue import RunQueueWait
+
 __all__ = ["LastCollective", "StepState"]
 
 
@@ -71,6 +73,8 @@ class StepState:
     tokens: int | None = None  # token ids seen by forward this step (or reported)
     last_coll: LastCollective | None = None
     seq: dict[str, int] = field(default_factory=dict)  # per group, never reset
+    run_queue: RunQueueWait = field(default_factory=RunQueueWait)  # the training thread's
+    run_wait_start: float | None = None  # its run-queue wait at the step's start
 
     def next_seq(self, group: str) -> int:
         n = self.seq.get(group, 0) + 1
@@ -103,6 +107,7 @@ class StepState:
         """Start the next step: per-step accumulators cleared, counters kept."""
         self.step += 1
         self.step_start_perf = now_perf
+        self.run_wait_start = self.run_queue.read()
         self.first_forward_perf = None
         self.comm_s = 0.0
         self.comm_before_forward_s = 0.0

@@ -192,6 +192,8 @@ class StepRecord:
     compute_s: float | None = None
     comm_s: float | None = None
     data_s: float | None = None
+    # of step_s, the time the training thread sat runnable waiting for a CPU (CPU timing)
+    cpu_wait_s: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
     grad_norm_reduced: float | None = None

@@ -168,6 +168,7 @@ def test_every_rank_reports_every_step_including_the_atexit_flush(run):
             assert r["loss"] > 0 and r["lr"] == 0.05 and r["nonfinite"] == 0
             assert min(r["compute_s"], r["comm_s"], r["data_s"]) >= 0
             assert r["compute_s"] + r["comm_s"] + r["data_s"] == pytest.approx(r["step_s"])
+            assert 0 <= r.get("cpu_wait_s", 0) <= r["step_s"]  # absent: no Linux schedstat
 
 
 def test_local_norms_differ_while_reduced_norms_are_equal(run):
