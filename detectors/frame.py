@@ -21,6 +21,8 @@ METRIC_COLUMNS = (
     "compute_s",
     "comm_s",
     "data_s",
+    # of step_s, the training thread's wait for a CPU (straggler/own_time.py)
+    "cpu_wait_s",
     "loss",
     "grad_norm",
     "grad_norm_reduced",

@@ -30,6 +30,7 @@ from rankscope.detectors.straggler.expert_load import expert_busy
 from rankscope.detectors.straggler.input_wait import waited_out
 from rankscope.detectors.straggler.lead import leading
 from rankscope.detectors.straggler.lead_chance import LeadChance
+from rankscope.detectors.straggler.own_time import UsualWait, net_of_host_wait, own_time
 from rankscope.detectors.straggler.pair import pair_named
 from rankscope.detectors.straggler.pair_gap import PairGap, pair_gap_hits, pair_gap_signal
 from rankscope.detectors.straggler.pipeline_victim import pipeline_victims
@@ -133,10 +134,10 @@ class StragglerState(PartsState):
 
     __slots__ = ("peers", "history", "streaks", "pair_streak", "pair_rate", "window", "tokens",
                  "lead", "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
-                 "named_rate", "suspect", "pair_gap", "slowest")  # fmt: skip
+                 "named_rate", "suspect", "pair_gap", "slowest", "usual_wait")  # fmt: skip
     PARTS = ("history", "streaks", "pair_streak", "pair_rate", "window", "tokens", "lead",
              "lead_strong", "lead_long", "long_strong", "lead_chance", "pair_named",
-             "named_rate", "pair_gap", "slowest")  # fmt: skip
+             "named_rate", "pair_gap", "slowest", "usual_wait")  # fmt: skip
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.peers = PeerCache()
@@ -157,11 +158,13 @@ class StragglerState(PartsState):
         self.pair_gap = PairGap(cfg.pair_gap_steps, cfg.history_steps, cfg.history_min_steps,
                                 cfg.pair_gap_ratio)  # fmt: skip
         self.slowest = SlowestCount(cfg.slowest_steps)  # slowest-of-group counts
+        self.usual_wait = UsualWait()  # each rank's usual wait for a CPU (own_time.py)
 
     def learn(self, frame: StepFrame, clean_mask: np.ndarray) -> None:
         if diverged(frame):  # not the model's work: nothing to learn (``detect``)
             return
-        own = clean_mask
+        own, frame = clean_mask, own_time(frame, self.usual_wait)  # what detect judged
+        self.usual_wait.learn(frame)
         if self.suspect is not None and self.suspect[0] == frame.step:
             # a row its pair flagged this step does not teach its own history: the pair
             # rule judges it by that history, which would learn the fault within steps
@@ -175,6 +178,7 @@ class StragglerState(PartsState):
         self.pair_gap.learn(clean_mask)
 
 
+@net_of_host_wait  # compute net of the host's share of it (straggler/own_time.py)
 def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
     """A rank whose own compute or input time is persistently slower than its peers'."""
     out = DetectorOutput()
