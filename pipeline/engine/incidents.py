@@ -40,6 +40,7 @@ from rankscope.detectors.signal import Signal
 from rankscope.pipeline.engine.findings import Finding, finding_id, plain
 from rankscope.pipeline.engine.pace import JobPace
 from rankscope.pipeline.engine.policy import (
+    PAIR_RULES,
     SEVERITY_RANK,
     SLOWNESS_KINDS,
     PolicyConfig,
@@ -341,6 +342,7 @@ class IncidentTracker:
             corroborated=corroborated,
             job_slowdown_z=self.pace.shift_z(inc.fid),
             current_slowdown=current,
+            two_peers=inc.kind == "straggler" and bool(inc.rules) and inc.rules <= PAIR_RULES,
         )
         if action != "observe" and action not in inc.actions:
             inc.actions[action] = {"step": step, "t": plain(float(t))}

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PolicyConfig", "decide_action", "SEVERITY_RANK", "SLOWNESS_KINDS"]
+__all__ = ["PolicyConfig", "decide_action", "SEVERITY_RANK", "SLOWNESS_KINDS", "PAIR_RULES"]
 
 # Higher is worse; an incident's severity is the worst any of its signals had.
 SEVERITY_RANK = {"transient": 0, "oneshot": 1, "persistent": 2, "fatal": 3}
 # Kinds whose evidence is a slowdown: they evict only when it is strong and corroborated.
 SLOWNESS_KINDS = frozenset({"straggler", "network"})
+# straggler rules that judge one of two peers by the two ranks' own histories
+PAIR_RULES = frozenset({"pair", "pair_lead", "pair_gap"})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,6 +29,11 @@ class PolicyConfig:
     """A persistent fault lasting MORE than this many steps evicts its host."""
     recurring_sdc_incidents: int = 2
     """This many separate SDC incidents on one host evict it (recurring corruption)."""
+    pair_evict_after_steps: int = 30
+    """... and MORE than this many when the only evidence is two peers' own histories
+    (``PAIR_RULES``: two replicas cannot outvote each other): on a crowded host two
+    replicas drift 1.3-1.6x apart for up to 20 steps (two clean dp 2 runs of 30 were
+    evicted after 9 and 12 steps)."""
     evict_slowdown: float = 1.25
     """A straggler or slow link evicts only when its sustained slowdown over its peers
     (the median of its signals' ratios) is at least this; below it the rank is
@@ -58,6 +65,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.evict_after_steps < 1:
             raise ValueError(f"evict_after_steps must be >= 1, got {self.evict_after_steps}")
+        if self.pair_evict_after_steps < self.evict_after_steps:
+            raise ValueError("pair_evict_after_steps must be >= evict_after_steps")
         if self.recurring_sdc_incidents < 1:
             raise ValueError(
                 f"recurring_sdc_incidents must be >= 1, got {self.recurring_sdc_incidents}"
@@ -97,6 +106,7 @@ def decide_action(
     corroborated: bool = True,
     job_slowdown_z: float | None = None,
     current_slowdown: float | None = None,
+    two_peers: bool = False,
 ) -> str:
     """The action for an incident as it stands now.
 
@@ -109,7 +119,7 @@ def decide_action(
     ``job_slowdown_z`` how far (standard errors) the job's step time since
     onset exceeds its quiet baseline (None: no baseline yet, so a slowness
     finding cannot evict); ``current_slowdown`` its slowdown over its latest steps
-    (None: not measured).
+    (None: not measured); ``two_peers`` True when only rules for two peers named it.
     """
     if severity not in SEVERITY_RANK:
         raise ValueError(f"unknown severity {severity!r}")
@@ -128,7 +138,7 @@ def decide_action(
             or (current_slowdown is not None and current_slowdown < cfg.evict_current_slowdown)
         ):
             return "observe"
-        if duration_steps > cfg.evict_after_steps:
+        if duration_steps > (cfg.pair_evict_after_steps if two_peers else cfg.evict_after_steps):
             return "evict"
         return "recover" if kind == "sdc" else "observe"
     if severity == "oneshot":

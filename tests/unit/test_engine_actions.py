@@ -278,3 +278,21 @@ def test_a_named_stragglers_shorter_waits_are_not_a_second_finding():
         tr.update(s, float(s), sigs, _hosts, step_s=1.0 + 0.01 * (s % 3))
     got = sorted((f.kind, f.ranks, f.first_step) for f in tr.findings.values())
     assert got == [("network", [1], 49), ("network", [3], 59), ("straggler", [2], 19)], got
+
+
+def test_two_peers_own_histories_evict_only_a_slowdown_that_outlasts_a_drift():
+    """w2 clean-nanogpt-0015 / -0011 (two gloo replicas on a crowded host): one
+    replica 1.5x the other for 9-12 steps, named by the pair rules, was evicted.
+    Two peers cannot outvote each other: their rules evict only after
+    ``pair_evict_after_steps``; a rule with a peer majority after ``evict_after_steps``."""
+    step_s = lambda s: (1.0 if s < 29 else 1.4) + 0.01 * (s % 3)  # noqa: E731
+    cfg = PolicyConfig()
+    for rule, last, action in (("pair", 50, "observe"), ("pair_lead", 50, "observe"),
+                               ("pair", 80, "evict"), ("window", 50, "evict")):  # fmt: skip
+        tr = IncidentTracker("j", cfg, merge_gap_steps=2)
+        (f,) = _feed(tr, last, lambda s: s >= 30, step_s, lambda r=rule: _slow(rule=r))
+        assert f.action == action, (rule, last)
+        if action == "evict":
+            lasted = f.evidence["actions"]["evict"]["step"] - f.first_step + 1
+            assert lasted == (cfg.evict_after_steps if rule == "window"
+                              else cfg.pair_evict_after_steps) + 1  # fmt: skip
