@@ -178,7 +178,7 @@ class StragglerState(PartsState):
         self.pair_gap.learn(clean_mask)
 
 
-@net_of_host_wait  # compute net of the host's share of it (straggler/own_time.py)
+@net_of_host_wait  # compute at each rank's usual wait for a CPU (straggler/own_time.py)
 def detect(frame: StepFrame, state: StragglerState, cfg: StragglerConfig) -> DetectorOutput:
     """A rank whose own compute or input time is persistently slower than its peers'."""
     out = DetectorOutput()

@@ -49,34 +49,48 @@ def _share(frame: StepFrame) -> np.ndarray | None:
 
 class UsualWait:
     """Per rank, the share of its step it usually waits for a CPU: the mean of its
-    first ``WARM_STEPS``, then an exponential mean over ``steps``."""
+    first ``WARM_STEPS``, then an exponential mean over ``steps`` (arrays by rank)."""
 
     def __init__(self, steps: int = USUAL_WAIT_STEPS) -> None:
         self.steps = steps
-        self.share: dict[int, float] = {}
-        self.seen: dict[int, int] = {}
+        self.share = np.full(0, np.nan)
+        self.seen = np.zeros(0, dtype=np.int64)
 
-    def usual(self, ranks: np.ndarray) -> np.ndarray:
-        return np.array([self.share.get(int(r), np.nan) for r in ranks], dtype=np.float64)
+    def usual(self, ranks) -> np.ndarray:
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out = np.full(ranks.shape, np.nan)
+        known = ranks < self.share.size
+        out[known] = self.share[ranks[known]]
+        return out
 
     def learn(self, frame: StepFrame) -> None:
         q = _share(frame)
         if q is None:
             return
-        for r, v in zip(frame.rank.tolist(), q.tolist(), strict=True):
-            if v == v:  # not NaN
-                n = self.seen.get(r, 0) + 1
-                self.seen[r] = min(n, WARM_STEPS)
-                old = self.share.get(r, v)
-                self.share[r] = old + (v - old) / (n if n <= WARM_STEPS else self.steps)
+        ok = np.isfinite(q)
+        ranks, v = frame.rank[ok], q[ok]
+        if not ranks.size:
+            return
+        if ranks.max() >= self.share.size:
+            grow = int(ranks.max()) + 1 - self.share.size
+            self.share = np.concatenate([self.share, np.full(grow, np.nan)])
+            self.seen = np.concatenate([self.seen, np.zeros(grow, dtype=np.int64)])
+        n = self.seen[ranks] + 1
+        self.seen[ranks] = np.minimum(n, WARM_STEPS)
+        old = np.where(np.isnan(self.share[ranks]), v, self.share[ranks])
+        self.share[ranks] = old + (v - old) / np.where(n <= WARM_STEPS, n, self.steps)
 
     def state_dict(self) -> dict:
-        return {"share": {str(r): v for r, v in self.share.items()},
-                "seen": {str(r): n for r, n in self.seen.items()}}  # fmt: skip
+        known = np.flatnonzero(self.seen > 0)
+        return {"ranks": known.tolist(), "share": self.share[known].tolist(),
+                "seen": self.seen[known].tolist()}  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
-        self.share = {int(r): float(v) for r, v in d.get("share", {}).items()}
-        self.seen = {int(r): int(n) for r, n in d.get("seen", {}).items()}
+        ranks = np.asarray(d.get("ranks", []), dtype=np.int64)
+        size = int(ranks.max()) + 1 if ranks.size else 0
+        self.share, self.seen = np.full(size, np.nan), np.zeros(size, dtype=np.int64)
+        self.share[ranks] = np.asarray(d.get("share", []), dtype=np.float64)
+        self.seen[ranks] = np.asarray(d.get("seen", []), dtype=np.int64)
 
 
 def own_time(frame: StepFrame, usual: UsualWait) -> StepFrame:

@@ -107,5 +107,7 @@ def test_the_usual_wait_survives_a_restore():
     _, state = run_detector(straggler, frames[:50])
     copy = straggler.STATE(straggler.CONFIG())
     copy.load_state_dict(state.state_dict())
-    assert copy.usual_wait.share == state.usual_wait.share
-    assert copy.usual_wait.seen == state.usual_wait.seen
+    assert np.array_equal(copy.usual_wait.share, state.usual_wait.share, equal_nan=True)
+    assert np.array_equal(copy.usual_wait.seen, state.usual_wait.seen)
+    assert copy.usual_wait.usual([0, 3, 9]).tolist()[:2] == state.usual_wait.usual([0, 3]).tolist()
+    assert np.isnan(copy.usual_wait.usual([9])[0])  # a rank never seen
