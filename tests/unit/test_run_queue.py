@@ -16,6 +16,7 @@ import pytest
 import torch
 from rankscope.collectors import RankCollector
 from rankscope.collectors.rank.run_queue import RunQueueWait
+from rankscope.collectors.rank.step_record import build_step_record
 from rankscope.collectors.schema.records import validate_record
 from rankscope.collectors.sinks.embedded import iter_channel, register_channel, unregister_channel
 
@@ -101,3 +102,32 @@ def test_step_records_carry_the_wait_a_shared_core_adds():
         assert 0 <= r["cpu_wait_s"] <= r["step_s"]
     alone = max(r["cpu_wait_s"] for r in steps[:3])
     assert min(r["cpu_wait_s"] for r in steps[3:]) > max(0.08, 2 * alone), steps
+
+
+class _Timing:
+    """A device timing whose events resolved to (compute_s, comm_s), or not yet."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def resolve(self, events):
+        return self.device
+
+
+def _pending(device):
+    p = {"step": 3, "t": 1.0, "step_s": 0.3, "data_s": 0.0, "comm_s": 0.1, "compute_s": 0.2,
+         "loss": None, "lr": None, "local": [], "reduced": [], "nonfinite": [], "digest": None,
+         "collectives": [], "tokens": None, "cpu_wait_s": 0.05}  # fmt: skip
+    if device is not False:
+        p["device"] = (_Timing(device), object())
+    return p
+
+
+def test_the_wait_goes_out_only_beside_cpu_times():
+    base = {"job": "j", "rank": 0, "world": 1, "host": "h0"}
+    cpu = build_step_record(base, _pending(False))
+    assert cpu["cpu_wait_s"] == 0.05 and cpu["compute_s"] == 0.2
+    late = build_step_record(base, _pending(None))  # events not resolved: CPU times kept
+    assert late["cpu_wait_s"] == 0.05 and late["compute_s"] == 0.2
+    gpu = build_step_record(base, _pending((0.15, 0.12)))
+    assert "cpu_wait_s" not in gpu and gpu["compute_s"] == 0.15
