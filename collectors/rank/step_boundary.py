@@ -59,6 +59,7 @@ def pending_record(st: StepState, *, digest: Any, lr: Any, skipped: bool) -> dic
     wait = st.run_queue.read()
     if wait is not None and st.run_wait_start is not None:  # CPU contention, not this rank
         out["cpu_wait_s"] = min(max(0.0, wait - st.run_wait_start), step_s)
+    st.run_wait_start = wait  # one reading ends this step and starts the next
     return out
 
 

@@ -106,8 +106,7 @@ class StepState:
     def reset_for_next_step(self, now_perf: float) -> None:
         """Start the next step: per-step accumulators cleared, counters kept."""
         self.step += 1
-        self.step_start_perf = now_perf
-        self.run_wait_start = self.run_queue.read()
+        self.step_start_perf = now_perf  # run_wait_start: set by pending_record's reading
         self.first_forward_perf = None
         self.comm_s = 0.0
         self.comm_before_forward_s = 0.0
