@@ -27,13 +27,13 @@ class PolicyConfig:
 
     evict_after_steps: int = 5
     """A persistent fault lasting MORE than this many steps evicts its host."""
-    recurring_sdc_incidents: int = 2
-    """This many separate SDC incidents on one host evict it (recurring corruption)."""
     pair_evict_after_steps: int = 30
     """... and MORE than this many when the only evidence is two peers' own histories
     (``PAIR_RULES``: two replicas cannot outvote each other): on a crowded host two
     replicas drift 1.3-1.6x apart for up to 20 steps (two clean dp 2 runs of 30 were
     evicted after 9 and 12 steps)."""
+    recurring_sdc_incidents: int = 2
+    """This many separate SDC incidents on one host evict it (recurring corruption)."""
     evict_slowdown: float = 1.25
     """A straggler or slow link evicts only when its sustained slowdown over its peers
     (the median of its signals' ratios) is at least this; below it the rank is
