@@ -11,6 +11,7 @@ from functools import lru_cache
 from statistics import NormalDist
 
 import numpy as np
+from rankscope.detectors.stats.level_shift import level_shift_back
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.robust import quantile_sorted
 
@@ -360,7 +361,8 @@ class SlowWindow:
             if w <= 1 or sel.size == 0:
                 continue
             rc, cols, ok = self._last(ranks[sel], int(w))
-            out[sel] = change_point_back(self.zr[cols, rc], ok)
+            back = change_point_back(self.zr[cols, rc], ok)
+            out[sel] = level_shift_back(self.lr[cols, rc], ok, back)  # a fault on a drift
         return out
 
     def _last(self, r: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from rankscope.detectors.evidence import metric_evidence, num
 from rankscope.detectors.gpu.readings import gpu_context, has_gpu, throttled
 from rankscope.detectors.signal import Signal
 from rankscope.detectors.stats.consensus import Z_CAP, excess_floor_s, frame_consensus
+from rankscope.detectors.stats.level_shift import level_shift_back
 from rankscope.detectors.stats.persistence import usable_ranks
 from rankscope.detectors.stats.ring_state import dump_rings, load_rings
 from rankscope.detectors.stats.slow_window import change_point_back
@@ -194,6 +195,7 @@ def slowest_hits(frame, idx, c, i: int, state: SlowestCount, cfg, skip: np.ndarr
             if tk.size > ONSET_TRIM:
                 back[j] = tk[-1 - ONSET_TRIM] + 1
         lrs = np.where(ok[h], state.lr[cols[h], rr[h]], 0.0)
+        back = level_shift_back(lrs, ok[h], back)  # a fault on top of a chance drift
         span = np.arange(state.steps)[None, :] < back[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
             run = (lrs * span).sum(axis=1) / (ok[h] & span).sum(axis=1)
