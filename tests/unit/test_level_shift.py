@@ -33,14 +33,12 @@ def test_a_step_up_inside_the_run_moves_the_onset_to_it():
 
 
 def test_one_level_or_a_small_step_keeps_the_onset():
+    # one level at crowded-host noise (0.15 in log ratio): the best split of 16 readings
+    # clears SHIFT_T in about 0.6 % of runs (then the onset only errs late)
+    runs = np.log(1.3) + 0.15 * np.random.default_rng(1).standard_normal((2000, 16))
+    backs = level_shift_back(runs, np.ones_like(runs, dtype=bool), np.full(2000, 16))
+    assert (backs != 16).mean() < 0.015
     rng = np.random.default_rng(6)
-    for seed in range(200):  # one level, crowded-host noise: the split clears SHIFT_T rarely
-        noisy = 1.3 * np.exp(0.15 * np.random.default_rng(seed).standard_normal(16))
-        if _back(list(noisy)) != 16:
-            break
-    else:
-        seed = None
-    assert seed is None or seed >= 100, f"a one-level run split at seed {seed}"
     drift = list(1.11 * np.exp(0.01 * rng.standard_normal(14)))
     assert _back([1.19, 1.2, *drift]) == 16  # clear, but under SHIFT_MIN (1.1x) higher
     assert _back([1.52, 1.5]) == 2  # too short to have an older part
