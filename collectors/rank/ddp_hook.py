@@ -16,6 +16,12 @@ copies the gradient into its bucket. A user hook that delays or corrupts
 the reduction (a slow link, a bad reduce) is seen in the timings and in
 ``grad_norm_reduced``.
 
+Gradient accumulation without ``no_sync`` reduces every micro-step; a later
+round's bucket then holds the earlier rounds' reduced sum, so a NaN one rank
+made in the first micro-step is in every rank's next bucket. A round whose
+earlier reduction was already non-finite counts nothing as this rank's own
+(``_own_part``).
+
 Timing: the hook's own duration on the calling thread counts as ``comm_s``
 (launching, or a deliberate delay inside the user hook). After the last
 bucket is launched backward has nothing left to compute and DDP's
@@ -29,6 +35,7 @@ device, from an event at each launch to one in each completion callback
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +138,21 @@ def _first_tensor(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
+def _own_part(norm: Any, nonfinite: Any, reduced: Any) -> tuple[Any, Any]:
+    """This rank's part of a bucket reduced again in the same step (gradient
+    accumulation without ``no_sync``): the bucket holds the earlier rounds'
+    reduced sum plus this micro-step's gradient. Where that sum was already
+    non-finite, every rank's bucket is, whoever's NaN it was: the round adds
+    nothing to this rank's own count (the NaN's origin is the round it first
+    appeared in). ``reduced``: the earlier round's reduced norm (None: not read)."""
+    if reduced is None:
+        return norm, nonfinite
+    if isinstance(reduced, torch.Tensor):  # an accelerator's lazy norm: stay lazy
+        ok = torch.isfinite(reduced)
+        return torch.where(ok, norm, torch.zeros_like(norm)), nonfinite * ok
+    return (norm, nonfinite) if math.isfinite(reduced) else (0.0, 0)
+
+
 def make_ddp_hook(ctx: HookContext) -> Callable:
     """A DDP comm hook (``hook(state, bucket)``) that measures, then reduces via the user's hook."""
 
@@ -142,9 +164,15 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
         entry = None
         norm_s = launch_s = 0.0
         buf = bucket.buffer()
+        idx = -1
         try:
             t_norm = time.perf_counter()
             norm, nonfinite = tensor_norm_stats(buf)
+            idx = bucket.index()
+            rounds = st.bucket_rounds.get(idx, 0)
+            st.bucket_rounds[idx] = rounds + 1
+            if rounds:  # a later micro-step's reduction of this step's bucket
+                norm, nonfinite = _own_part(norm, nonfinite, st.reduced_by_bucket.get(idx))
             norm_s = time.perf_counter() - t_norm
             st.local_sq.append(norm)
             st.nonfinite.append(nonfinite)
@@ -188,8 +216,11 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
                     ctx.timing.bucket_done()  # on the stream that waits for the reduction
                 if st.phase == "collective" and st.buckets_done >= st.buckets:
                     st.phase = "optimizer"  # backward is released: clip, step...
-                if not st.clip_seen:  # else the loop's clip_grad_norm_ gives it
-                    st.reduced_sq.append(tensor_norm_stats(reduced)[0])
+                if not st.clip_seen or st.accumulating:
+                    rnorm = tensor_norm_stats(reduced)[0]
+                    st.reduced_by_bucket[idx] = rnorm
+                    if not st.clip_seen:  # else the loop's clip_grad_norm_ gives it
+                        st.reduced_sq.append(rnorm)
             except Exception as exc:
                 log.debug("comm hook completion bookkeeping failed: %s", exc)
             return reduced

@@ -150,7 +150,7 @@ class GradInputTap:
                 self._self_time.grad_norm_s += time.perf_counter() - t0
             self._state.local_sq.append(norm)
             self._state.nonfinite.append(nonfinite)
-            self._state.fsdp_reductions += 1
+            self._state.tapped_reductions += 1
         except Exception as exc:
             self._faults.hit("grad_norm (FSDP reduction input)", exc)
 

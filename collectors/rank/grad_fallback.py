@@ -1,7 +1,10 @@
 """The step's gradient norms where no DDP bucket showed them (optimizer pre-hook).
 
-* Plain module (one rank, or a loop that reduces gradients itself): the local
-  gradient is what ``.grad`` holds; the loop's own clipping norm is reused.
+* Plain module on one rank: the local gradient is what ``.grad`` holds; the
+  loop's own clipping norm is reused.
+* Plain module whose loop all-reduces each ``.grad`` itself: ``grad_norm`` came
+  from the all-reduce inputs (``manual_reduce.py``); ``.grad`` now holds the
+  reduced gradient. A loop reducing a flat copy: ``.grad`` is taken as local.
 * FSDP2 / HSDP: ``grad_norm`` came from the reduce-scatter inputs
   (``fsdp.py``); here ``.grad`` holds this rank's shard of the REDUCED
   gradient, whose norm is ``grad_norm_reduced`` (equal on HSDP replicas of one
@@ -32,8 +35,9 @@ def fallback_grad_stats(
     ``reduced``: DDP reduced ``.grad`` through a hook of its own (no local norm)."""
     if st.buckets:
         return False
-    if fsdp or reduced:
-        if (reduced or st.fsdp_reductions) and not st.reduced_sq:
+    tapped = st.tapped_reductions > 0  # the local norm was read before the reductions
+    if fsdp or reduced or tapped:
+        if (reduced or tapped) and not st.reduced_sq:
             grads = _local_grads(params)
             if grads:
                 st.reduced_sq.append(grads_norm_stats(grads)[0])

@@ -1,7 +1,8 @@
 """The patches one collector installs into torch at attach, built in one place.
 
-AMP's scaler, ``torch.distributed``'s collectives (with FSDP2's reduce-scatter
-tap), ``Work.wait``, DTensor's functional collectives and the loop's gradient
+AMP's scaler, ``torch.distributed``'s collectives (with the taps that read a
+gradient before its reduction: FSDP2's, FSDP1's, a plain loop's own all-reduce),
+``Work.wait``, DTensor's functional collectives and the loop's gradient
 clipping; each installs itself and restores torch at close (``uninstall``).
 """
 
@@ -18,6 +19,7 @@ from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
 from rankscope.collectors.rank.fsdp import fsdp_taps
 from rankscope.collectors.rank.fsdp1 import fsdp1_taps
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
+from rankscope.collectors.rank.manual_reduce import GradAllReduceTap
 from rankscope.collectors.rank.work_wait import WorkWaitPatch
 
 __all__ = ["Patches", "build_patches"]
@@ -57,6 +59,8 @@ def build_patches(
         taps = fsdp_taps(shape.fsdp, st, faults, rc._self_time)
     elif shape is not None and shape.fsdp1 is not None:
         taps = fsdp1_taps(shape.fsdp1, st, faults, rc._self_time)
+    elif shape is not None and not (shape.ddp or shape.dtensor):  # the loop reduces, if anyone
+        taps = {"all_reduce": GradAllReduceTap(st, rc._params, faults, rc._self_time)}
     out.works = WorkWaitPatch(st, me, faults, timing)
     ddp = None
     if shape is not None and shape.ddp:  # under torch.compile, the DDP module it wraps

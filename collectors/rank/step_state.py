@@ -59,7 +59,7 @@ class StepState:
     last_launch_exit_perf: float | None = None
     last_done_perf: float | None = None
     buckets_done: int = 0
-    fsdp_reductions: int = 0  # FSDP2 gradient reductions seen this step (fsdp.GradInputTap)
+    tapped_reductions: int = 0  # gradient reductions whose input a tap read this step
     loss_scale: Any = None  # AMP GradScaler's scale this step (amp.py), None without AMP
     local_scaled: bool = True  # local_sq taken during backward (under the loss scale)
     reduced_scaled: bool = True  # reduced_sq taken in the DDP completion callback
@@ -70,6 +70,11 @@ class StepState:
     loss: Any = None
     clip_norm: Any = None  # this step's norm from the loop's clip_grad_norm_ (clip_patch.py)
     clip_seen: bool = False  # the previous step clipped: skip the reduced-norm pass
+    # gradient accumulation WITHOUT no_sync: DDP reduces every micro-step, and a later
+    # round's bucket holds the earlier rounds' reduced sums (ddp_hook.py)
+    bucket_rounds: dict[int, int] = field(default_factory=dict)  # bucket -> launches
+    reduced_by_bucket: dict[int, Any] = field(default_factory=dict)  # bucket -> reduced norm
+    accumulating: bool = False  # the previous step reduced some bucket more than once
     tokens: int | None = None  # token ids seen by forward this step (or reported)
     last_coll: LastCollective | None = None
     seq: dict[str, int] = field(default_factory=dict)  # per group, never reset
@@ -116,7 +121,7 @@ class StepState:
         self.last_launch_exit_perf = None
         self.last_done_perf = None
         self.buckets_done = 0
-        self.fsdp_reductions = 0
+        self.tapped_reductions = 0
         self.loss_scale = None
         self.local_scaled = True
         self.reduced_scaled = True
@@ -126,5 +131,9 @@ class StepState:
         self.collectives = []
         self.loss = None
         self.clip_seen = self.clip_norm is not None
+        if self.bucket_rounds:
+            self.accumulating = max(self.bucket_rounds.values()) > 1
+        self.bucket_rounds = {}
+        self.reduced_by_bucket = {}
         self.clip_norm = None
         self.tokens = None

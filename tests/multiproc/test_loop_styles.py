@@ -95,6 +95,22 @@ def test_ddp_nanogpt_style_accumulation_and_clipping(tmp_path):
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 
+def test_ddp_accumulation_that_reduces_every_micro_step(tmp_path):
+    """Without ``no_sync`` DDP reduces each micro-step, and the second round's bucket
+    holds the first round's reduced sum: the NaN origin's first-round NaN is every
+    rank's second-round NaN, and only the origin may count it as its own."""
+    world = 4
+    opts = Opts(steps=STEPS, accum=2, no_sync=False)
+    steps, info = run_loop("ddp_nanogpt", world, tmp_path, opts=opts, faults=FAULTS)
+    _assert_common(steps, info, world)
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(world)]
+        assert len({r["grad_norm_reduced"] for r in recs}) == 1
+        assert {c["op"] for c in recs[0]["collectives"]} == {"allreduce"}
+        assert sum(c["op"] == "allreduce" for c in recs[0]["collectives"]) >= 2  # per micro
+    _assert_located(_findings(tmp_path / "trace"), flip=True)
+
+
 def test_ddp_with_zero_redundancy_optimizer_and_gradients_as_bucket_views(tmp_path):
     """ZeRO-1 steps each rank's slice of the optimizer state and broadcasts the updated
     parameters inside ``step()``; DDP's buckets hold the gradients themselves."""
@@ -109,6 +125,23 @@ def test_ddp_with_zero_redundancy_optimizer_and_gradients_as_bucket_views(tmp_pa
         assert len({r["grad_norm_reduced"] for r in recs}) == 1
         assert {(c["op"], c["group"]) for c in recs[0]["collectives"]} >= {
             ("allreduce", "dp"), ("broadcast", "world")}
+    _assert_located(_findings(tmp_path / "trace"), flip=True)
+
+
+def test_loop_that_all_reduces_its_own_gradients(tmp_path):
+    """No DDP: the loop all-reduces each ``.grad`` itself, so by the optimizer step
+    ``.grad`` is the average. ``grad_norm`` is read from each all-reduce's input
+    (this rank's own gradient), ``grad_norm_reduced`` from ``.grad`` after them."""
+    world = 4
+    steps, info = run_loop("manual_allreduce", world, tmp_path, opts=Opts(steps=STEPS),
+                           faults=FAULTS)  # fmt: skip
+    _assert_common(steps, info, world)
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(world)]
+        assert len({r["param_digest"] for r in recs}) == 1  # replicas
+        assert len({r["grad_norm_reduced"] for r in recs}) == 1
+        assert len({round(r["grad_norm"], 9) for r in recs}) == world  # local: own data
+        assert all(r["grad_norm"] != r["grad_norm_reduced"] for r in recs)
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 

@@ -1,6 +1,7 @@
 """nanoGPT-style DDP: gradient accumulation with ``no_sync`` on all but the last
 micro-step (nanoGPT sets ``require_backward_grad_sync`` itself; both are the
-same switch), loss scaled by the accumulation, ``clip_grad_norm_``, AdamW.
+same switch; ``Opts.no_sync=False``: the naive loop that reduces every micro-step),
+loss scaled by the accumulation, ``clip_grad_norm_``, AdamW.
 ``compile`` names a ``torch.compile`` backend: as nanoGPT does, the model is
 compiled first and the compiled module wrapped in DDP."""
 
@@ -31,7 +32,7 @@ def train(b: Built, rc, rank: int, opts: Opts) -> None:
     model, opt = b.model, b.optimizer
     for step in range(opts.steps):
         for micro in range(opts.accum):
-            last = micro == opts.accum - 1
+            last = micro == opts.accum - 1 or not opts.no_sync
             if micro % 2:  # both ways nanoGPT-like loops skip the sync
                 model.require_backward_grad_sync = last
                 ctx = contextlib.nullcontext()

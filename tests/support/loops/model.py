@@ -62,6 +62,7 @@ class Opts:
     steps: int = 24
     batch: int = 4
     accum: int = 1  # micro-batches per optimizer step
+    no_sync: bool = True  # False: accumulation reduces every micro-step (no no_sync)
     clip: float | None = 1.0
     work_s: float = 0.02
     lr: float = 0.01

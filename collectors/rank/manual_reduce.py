@@ -1,0 +1,92 @@
+"""Loops that all-reduce their gradients themselves (no DDP, no FSDP).
+
+PyTorch's "Writing Distributed Applications" tutorial and much research code
+average gradients with one ``dist.all_reduce`` per parameter after
+``backward()``. By the optimizer step ``.grad`` holds the average, so what
+this rank computed (``grad_norm``, and ``nonfinite``: the evidence of where a
+NaN came from) exists only just before each call. This tap sees every
+``all_reduce``; a tensor sharing a parameter's gradient storage is counted
+into the local norm once per step, and ``.grad`` at the optimizer step is then
+the reduced gradient (``grad_norm_reduced``, ``grad_fallback.py``).
+
+A loop that first copies all its gradients into one flat buffer (apex's and
+older codebases' ``_flatten_dense_tensors``) is recognized by the size: a
+buffer holding exactly as many elements as every gradient together, reduced
+before any single gradient. Buckets of some gradients are not: ``grad_norm``
+is then ``.grad``'s, the reduced one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from rankscope.collectors.rank.faults import Faults
+from rankscope.collectors.rank.grad_stats import tensor_norm_stats
+from rankscope.collectors.rank.step_state import StepState
+
+__all__ = ["GradAllReduceTap"]
+
+
+class GradAllReduceTap:
+    """``dist_wrap`` tap for ``all_reduce``: the local norm of each gradient the loop
+    reduces, read just before its call (training thread)."""
+
+    def __init__(
+        self, state: StepState, params: list[torch.Tensor], faults: Faults, self_time: Any = None
+    ) -> None:
+        self._state = state
+        self._params = params
+        self._faults = faults
+        self._self_time = self_time  # SelfTime: the pass counts as grad_norm_s
+        self._ptrs: dict[int, int] = {}  # gradient storage -> parameter index
+        self._key: tuple[int, bool] = (-1, False)  # (step, built in backward) of _ptrs
+        self._total = -1  # elements of every gradient together (-1: none yet)
+        self._done: set[int] = set()  # parameters counted this step
+
+    def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
+        try:
+            t = kwargs.get("tensor", args[0] if args else None)
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+                return
+            idx = self._param_of(t)
+            if idx is None and not self._done and t.numel() == self._total:
+                self._done.update(range(len(self._params)))  # a flat copy of them all
+            elif idx is None or idx in self._done:
+                return
+            else:
+                self._done.add(idx)
+            t0 = time.perf_counter()
+            norm, nonfinite = tensor_norm_stats(t)
+            st = self._state
+            st.local_sq.append(norm)
+            st.nonfinite.append(nonfinite)
+            st.local_scaled = True  # taken during backward, under AMP's loss scale
+            st.tapped_reductions += 1
+            if self._self_time is not None:
+                self._self_time.grad_norm_s += time.perf_counter() - t0
+        except Exception as exc:
+            self._faults.hit("grad_norm (all-reduce input)", exc)
+
+    def _param_of(self, t: torch.Tensor) -> int | None:
+        """The parameter whose gradient ``t`` is (same storage and size), if any. The
+        map is rebuilt once a step, and again once backward has made the gradients
+        (a loop may all-reduce a metric before its backward)."""
+        st = self._state
+        in_backward = st.phase == "backward"
+        step, built_in_backward = self._key
+        if step != st.step or (in_backward and not built_in_backward):
+            if step != st.step:
+                self._done.clear()
+            self._ptrs = {
+                p.grad.data_ptr(): i
+                for i, p in enumerate(self._params)
+                if p.grad is not None and p.grad.layout == torch.strided
+            }
+            self._key = (st.step, in_backward)
+            self._total = sum(self._params[i].grad.numel() for i in self._ptrs.values()) or -1
+        idx = self._ptrs.get(t.data_ptr())
+        if idx is None or self._params[idx].grad is None:
+            return None
+        return idx if self._params[idx].grad.numel() == t.numel() else None
