@@ -203,7 +203,8 @@ def install_fault(fault: dict | None, rank: int, loop, clock: StepClock,
     elif kind == "sdc-param":
         _sdc_param(fault, loop.model, loop.opt, clock)
     elif kind == "nonfinite":
-        (_nonfinite if loop.ddp else _nonfinite_output)(fault, loop.model, clock)
+        nan_in_grad = getattr(loop, "nan_in_grad", loop.ddp)  # else sharded: poison the output
+        (_nonfinite if nan_in_grad else _nonfinite_output)(fault, loop.model, clock)
     elif kind == "network" and not loop.ddp:
         return _slow_collective(fault, clock, loop.reduce_op)
     elif kind != "network":

@@ -9,7 +9,8 @@ behind a ``DistributedSampler`` and a ``DataLoader``, SGD, MSE loss, epochs.
 seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
 The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``, the pipelined one in
 ``fa_pipeline.py``, the Trainer-shaped one with variable-length batches in
-``fa_varlen.py``, the mixture of experts in ``fa_moe.py``.
+``fa_varlen.py``, the mixture of experts in ``fa_moe.py``, the one that averages
+its gradients itself (no DDP) in ``fa_manual.py``.
 
 Every loop has ``wrap()`` (the module the collector attaches to; the
 optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
@@ -29,6 +30,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from fa_manual import LOOPS as MANUAL
 from fa_moe import LOOPS as MOE
 from fa_pipeline import LOOPS as PIPELINE
 from fa_sharded import LOOPS as SHARDED
@@ -266,7 +268,7 @@ class NanoGPTMasterLoop(NanoGPTLoop):
 
 
 LOOPS = {"nanogpt": NanoGPTLoop, "nanogpt_master": NanoGPTMasterLoop, "tutorial": TutorialLoop,
-         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN, **MOE}  # fmt: skip
+         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN, **MOE, **MANUAL}  # fmt: skip
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):
