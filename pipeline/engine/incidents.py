@@ -47,9 +47,9 @@ from rankscope.pipeline.engine.policy import (
     decide_action,
     degraded,
 )
-from rankscope.pipeline.engine.report_gate import LONE_WAIT_RULES
+from rankscope.pipeline.engine.report_gate import LONE_WAIT_RULES, paid
 from rankscope.pipeline.engine.report_gate import reportable as reportable_now
-from rankscope.pipeline.engine.signal_reads import onset_of, slowdown_of, step_ratio_of
+from rankscope.pipeline.engine.signal_reads import cost_after, onset_of, slowdown_of, step_ratio_of
 
 __all__ = ["IncidentTracker"]
 
@@ -62,7 +62,7 @@ class _Incident:
         "kind", "ranks", "first_ranks", "first_step", "last_step", "detected_step",
         "detected_t", "score", "detector", "severity", "evidence", "unattributed",
         "signals", "detectors", "reported", "fid", "actions", "slowdowns", "rules",
-        "current", "noise",
+        "current", "noise", "cost_s", "cost_step", "cleared",
     )  # fmt: skip
 
     def __init__(self, job: str, sig: Signal, step: int) -> None:
@@ -86,6 +86,8 @@ class _Incident:
         self.rules: set[str] = set()
         self.current: dict[int, float] = {}  # step -> compute over its reference that step
         self.noise: float | None = None  # its group's learnt per-step sigma (log ratio)
+        self.cost_s, self.cost_step = 0.0, -1  # seconds slow so far, last step counted
+        self.cleared = False  # the report gate passed it; held until it has cost enough
         self.fid = finding_id(job, self.kind, self.first_ranks, self.first_step, self.detector)
 
 
@@ -199,7 +201,7 @@ class IncidentTracker:
                 still.append(inc)
             elif self._is_degraded(inc) and (inc.reported or _held_back(inc)):
                 self._degraded[(inc.kind, tuple(sorted(inc.ranks)))] = inc
-            elif inc.reported and not inc.unattributed:
+            elif (inc.reported or inc.cleared) and not inc.unattributed:
                 old = self._closed.pop((inc.kind, tuple(sorted(inc.ranks))), None)
                 if old is not None:
                     self.pace.forget(old.fid)
@@ -286,6 +288,7 @@ class IncidentTracker:
         if slow is not None:
             inc.slowdowns.append(slow)
             del inc.slowdowns[:-SLOWDOWN_SIGNALS]
+        inc.cost_s, inc.cost_step = cost_after(inc.cost_s, inc.cost_step, inc.first_step, sig, step)
         now = step_ratio_of(sig)
         if now is not None:  # the strongest rule's reading of the step
             inc.current[step] = max(now, inc.current.get(step, now))
@@ -303,8 +306,11 @@ class IncidentTracker:
         worse = SEVERITY_RANK.get(sig.severity, 0) > SEVERITY_RANK[inc.severity]
         if worse:
             inc.severity = sig.severity
-        reportable = not inc.reported and reportable_now(
-            inc, self.policy, step, self._sustained(inc), self.report_transient)
+        reportable = not inc.reported and (inc.cleared or reportable_now(
+            inc, self.policy, step, self._sustained(inc), self.report_transient))
+        if reportable:
+            inc.cleared = True
+            reportable = paid(inc, self.policy, self.report_transient)
         if reportable and (self._beside_link(inc) or self._waits_least(inc)):
             reportable = False  # an echo of a fault already named, while that one is open
         if reportable:

@@ -56,6 +56,13 @@ class PolicyConfig:
     ``evict_slowdown``) is reported only once ``mild_report_steps`` have passed."""
     mild_report_steps: int = 6
     """One step past ``evict_after_steps``: a mild spell is told when it could be acted on."""
+    min_report_cost_s: float = 0.02
+    """A straggler or a late rank is reported only once its slowness has cost this many
+    seconds in all (its judged time over its reference, or its peers' wait for it,
+    summed from its onset; ``report_gate.py``): a
+    host's other work takes a few scheduler slices (a few ms each) from one rank now and
+    then, which on a loop of 6 ms steps is a 2-step "straggler" of 1.5x; a 1.5x
+    straggler of 25 ms steps has paid it in two steps (0: no floor)."""
     clear_sigmas: float = 6.0
     """A straggler whose sustained slowdown is this many of its group's learnt per-step
     sigmas (the detector's ``noise``) is reported at once, however mild: the waits above
@@ -75,6 +82,8 @@ class PolicyConfig:
             raise ValueError(
                 f"degraded_report_steps must be >= 1, got {self.degraded_report_steps}"
             )
+        if not self.min_report_cost_s >= 0:
+            raise ValueError(f"min_report_cost_s must be >= 0, got {self.min_report_cost_s}")
         if not self.clear_sigmas >= 0:
             raise ValueError(f"clear_sigmas must be >= 0, got {self.clear_sigmas}")
         if self.mild_report_steps < 1:

@@ -11,7 +11,10 @@ lasted ``mild_report_steps``, one step past the earliest it could evict: a
 crowded host slows one rank by 1.1-1.4x for 4-9 steps every few hundred steps
 (docs/false-alarms.md, thirty-fourth session). Those spells are a few of the
 job's own sigmas; a slowdown ``clear_sigmas`` of them (a quiet job's mild
-straggler) is told at once (thirty-fifth session).
+straggler) is told at once (thirty-fifth session). Before any of that a straggler
+or a late rank must have cost the job ``min_report_cost_s`` in all: on loops of a
+few ms a step, two scheduler slices lost to the host's other work are a 2-step 1.5x
+lead (thirty-ninth session).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import math
 
 from rankscope.pipeline.engine.policy import SLOWNESS_KINDS, PolicyConfig, degraded
 
-__all__ = ["LONE_WAIT_RULES", "clear_of_noise", "reportable"]
+__all__ = ["LONE_WAIT_RULES", "clear_of_noise", "paid", "reportable"]
 
 # Network rules that only say "this rank waited less than the others": with no
 # other rule behind them they fit unaccounted time (a rank with other work) as
@@ -75,3 +78,12 @@ def clear_of_noise(policy: PolicyConfig, sustained: float | None, noise: float |
     if not policy.clear_sigmas or sustained is None or noise is None or not noise > 0:
         return False
     return math.log(max(sustained, 1.0)) >= policy.clear_sigmas * noise
+
+
+def paid(inc, policy: PolicyConfig, report_transient: bool = False) -> bool:
+    """Whether incident ``inc``, which ``reportable`` has cleared, has cost the job
+    ``policy.min_report_cost_s`` (its ``cost_s``; not measured: yes). Until then it is
+    held, cleared: the verdict stands while its later, milder signals come in."""
+    if inc.unattributed or report_transient or inc.cost_step < 0:
+        return True
+    return inc.cost_s >= policy.min_report_cost_s

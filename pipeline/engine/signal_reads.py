@@ -1,4 +1,5 @@
-"""What an incident reads from a slowness signal's evidence: slowdown, step ratio, onset.
+"""What an incident reads from a slowness signal's evidence: slowdown, step ratio,
+onset, and the seconds it cost.
 
 Detectors write these in their evidence under a few names (``slowdown`` or
 ``ratio``; ``value`` over ``peer_median``; ``onset_step`` or ``streak_steps``);
@@ -10,7 +11,7 @@ from __future__ import annotations
 from rankscope.detectors.signal import Signal
 from rankscope.pipeline.engine.policy import SLOWNESS_KINDS
 
-__all__ = ["onset_of", "slowdown_of", "step_ratio_of"]
+__all__ = ["cost_after", "onset_of", "slowdown_of", "step_ratio_of"]
 
 
 def slowdown_of(sig: Signal) -> float | None:
@@ -48,3 +49,36 @@ def onset_of(sig: Signal, step: int) -> int:
     if isinstance(streak, int | float) and streak == streak and streak >= 1:
         return step - int(streak) + 1
     return step
+
+
+def cost_after(cost: float, last: int, first_step: int, sig: Signal,
+               step: int) -> tuple[float, int]:  # fmt: skip
+    """An incident's seconds of slowness so far and the last step counted, after signal
+    ``sig`` of ``step``: a straggler's time over its reference by its rule's slowdown
+    (``slowdown`` or ``ratio`` times ``peer_median``, else ``value`` - ``peer_median``), a
+    late rank's time its peers waited for it (``awaited_s``), for
+    each step from the onset at the incident's first signal (the rule's own claim: its
+    streak or window), then for its own step. (0, -1): none counted yet."""
+    if sig.kind not in SLOWNESS_KINDS or step <= last:
+        return cost, last
+    extra = _excess_s(sig)
+    if extra is None:
+        return cost, last
+    steps = step - first_step + 1 if last < 0 else 1
+    return cost + max(extra, 0.0) * max(steps, 1), step
+
+
+def _excess_s(sig: Signal) -> float | None:
+    """Seconds a step of ``sig`` cost: a straggler's slowdown by its rule (the run or
+    window it judged, not only this step) over its reference, a late rank's awaited time."""
+    ev = sig.evidence or {}
+    if sig.kind == "straggler":
+        v, ref = ev.get("value"), ev.get("peer_median")
+        if not (isinstance(ref, int | float) and ref == ref):
+            return None
+        slow = slowdown_of(sig)
+        if slow is not None:
+            return (slow - 1.0) * float(ref)
+        return float(v) - float(ref) if isinstance(v, int | float) and v == v else None
+    awaited = ev.get("awaited_s")
+    return float(awaited) if isinstance(awaited, int | float) and awaited == awaited else None
