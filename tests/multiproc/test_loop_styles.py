@@ -65,6 +65,16 @@ def _assert_common(steps, info, world, work_s=None):
     assert all(at[r].get("nonfinite") == 0 for r in range(world) if r != NAN_RANK)
 
 
+def _assert_replicas(steps, world):
+    """DDP-like replicas in the clean steps: one digest, one reduced norm, each rank's
+    own local norm (its own data)."""
+    for s in CLEAN:
+        recs = [steps[s][r] for r in range(world)]
+        assert len({r["param_digest"] for r in recs}) == 1
+        assert len({r["grad_norm_reduced"] for r in recs}) == 1
+        assert len({round(r["grad_norm"], 9) for r in recs}) == world
+
+
 def _assert_located(found, *, flip: bool):
     slow = _by_kind(found, "straggler")
     assert slow and all(f[1] == [SLOW_RANK] for f in slow), found
@@ -86,11 +96,7 @@ def test_ddp_nanogpt_style_accumulation_and_clipping(tmp_path):
         "ddp_nanogpt", world, tmp_path, opts=Opts(steps=STEPS, accum=2), faults=FAULTS
     )
     _assert_common(steps, info, world)
-    for s in CLEAN:
-        recs = [steps[s][r] for r in range(world)]
-        assert len({r["param_digest"] for r in recs}) == 1  # replicas
-        assert len({r["grad_norm_reduced"] for r in recs}) == 1
-        assert len({round(r["grad_norm"], 9) for r in recs}) == world  # local: own data
+    _assert_replicas(steps, world)
     assert steps[FLIP_STEP][FLIP_RANK]["param_digest"] != steps[FLIP_STEP][0]["param_digest"]
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
@@ -136,12 +142,10 @@ def test_loop_that_all_reduces_its_own_gradients(tmp_path):
     steps, info = run_loop("manual_allreduce", world, tmp_path, opts=Opts(steps=STEPS),
                            faults=FAULTS)  # fmt: skip
     _assert_common(steps, info, world)
+    _assert_replicas(steps, world)
     for s in CLEAN:
-        recs = [steps[s][r] for r in range(world)]
-        assert len({r["param_digest"] for r in recs}) == 1  # replicas
-        assert len({r["grad_norm_reduced"] for r in recs}) == 1
-        assert len({round(r["grad_norm"], 9) for r in recs}) == world  # local: own data
-        assert all(r["grad_norm"] != r["grad_norm_reduced"] for r in recs)
+        assert all(steps[s][r]["grad_norm"] != steps[s][r]["grad_norm_reduced"]
+                   for r in range(world))  # fmt: skip
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 
