@@ -59,10 +59,10 @@ class PolicyConfig:
     min_report_cost_s: float = 0.02
     """A straggler or a late rank is reported only once its slowness has cost this many
     seconds in all (its judged time over its reference, or its peers' wait for it,
-    summed from its onset; ``report_gate.py``): a
-    host's other work takes a few scheduler slices (a few ms each) from one rank now and
-    then, which on a loop of 6 ms steps is a 2-step "straggler" of 1.5x; a 1.5x
-    straggler of 25 ms steps has paid it in two steps (0: no floor)."""
+    summed from its onset; ``report_gate.paid``): a host's other work takes a few
+    scheduler slices (a few ms each) from one rank now and then, which on a loop of
+    6 ms steps is a 2-step "straggler" of 1.5x; a 1.5x straggler of 25 ms steps has
+    paid it in two steps (0: no floor)."""
     clear_sigmas: float = 6.0
     """A straggler whose sustained slowdown is this many of its group's learnt per-step
     sigmas (the detector's ``noise``) is reported at once, however mild: the waits above

@@ -11,10 +11,11 @@ lasted ``mild_report_steps``, one step past the earliest it could evict: a
 crowded host slows one rank by 1.1-1.4x for 4-9 steps every few hundred steps
 (docs/false-alarms.md, thirty-fourth session). Those spells are a few of the
 job's own sigmas; a slowdown ``clear_sigmas`` of them (a quiet job's mild
-straggler) is told at once (thirty-fifth session). Before any of that a straggler
-or a late rank must have cost the job ``min_report_cost_s`` in all: on loops of a
-few ms a step, two scheduler slices lost to the host's other work are a 2-step 1.5x
-lead (thirty-ninth session).
+straggler) is told at once (thirty-fifth session). Once these have cleared it, a
+straggler or a late rank is still held until it has cost the job
+``min_report_cost_s`` in all (``paid``): on loops of a few ms a step, two
+scheduler slices lost to the host's other work are a 2-step 1.5x lead
+(thirty-ninth session).
 """
 
 from __future__ import annotations
