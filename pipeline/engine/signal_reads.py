@@ -54,11 +54,9 @@ def onset_of(sig: Signal, step: int) -> int:
 def cost_after(cost: float, last: int, first_step: int, sig: Signal,
                step: int) -> tuple[float, int]:  # fmt: skip
     """An incident's seconds of slowness so far and the last step counted, after signal
-    ``sig`` of ``step``: a straggler's time over its reference by its rule's slowdown
-    (``slowdown`` or ``ratio`` times ``peer_median``, else ``value`` - ``peer_median``), a
-    late rank's time its peers waited for it (``awaited_s``), for
-    each step from the onset at the incident's first signal (the rule's own claim: its
-    streak or window), then for its own step. (0, -1): none counted yet."""
+    ``sig`` of ``step``: what a step of it cost (``_excess_s``), for each step from the
+    onset at the incident's first signal (the rule's own claim: its streak or window),
+    then for each signal's own step. (0, -1): none counted yet."""
     if sig.kind not in SLOWNESS_KINDS or step <= last:
         return cost, last
     extra = _excess_s(sig)
@@ -69,8 +67,9 @@ def cost_after(cost: float, last: int, first_step: int, sig: Signal,
 
 
 def _excess_s(sig: Signal) -> float | None:
-    """Seconds a step of ``sig`` cost: a straggler's slowdown by its rule (the run or
-    window it judged, not only this step) over its reference, a late rank's awaited time."""
+    """Seconds a step of ``sig`` cost: a straggler's slowdown by its rule (``slowdown``
+    or ``ratio``: the run or window it judged, not only this step) times its reference
+    (``peer_median``; else ``value`` - ``peer_median``), a late rank's ``awaited_s``."""
     ev = sig.evidence or {}
     if sig.kind == "straggler":
         v, ref = ev.get("value"), ev.get("peer_median")
