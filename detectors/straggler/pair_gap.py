@@ -281,8 +281,13 @@ def pair_gap_hits(frame, idx, x: np.ndarray, state: PairGap, cfg,
         run_d = np.where(run, dd[h], 0.0).sum(axis=1) / np.maximum(run.sum(axis=1), 1)
         out.ratio[rows[h]] = np.exp(run_d)  # over the shift: the slowdown to act on
         out.over_usual[rows[h]] = np.exp(run_d - usual[h])
-        # the onset reported is no older than the newest readings that held the gap
-        out.onset_back[rows[h]] = np.minimum(back, _kept_run(dd[h] > least[h, None], have[h]))
+        # the onset reported is no older than the newest readings that held the gap; one
+        # under the floor but nearer the run's gap than the usual counts neither way (a
+        # 1.25x replica's readings straddle the floor)
+        mid = np.clip(0.5 * (usual[h] + run_d), grew, least[h])
+        over = dd[h] > least[h, None]
+        kept = _kept_run(over, have[h] & (over | (dd[h] <= mid[:, None])))
+        out.onset_back[rows[h]] = np.minimum(back, kept)
         out.partner[rows[h]] = other[h]
     return out
 
@@ -299,21 +304,24 @@ def _least_gap(spread: np.ndarray, floor: float, grew: float) -> np.ndarray:
 
 
 def _kept_run(keep: np.ndarray, have: np.ndarray) -> np.ndarray:
-    """Per row (readings newest first): how many of the newest readings the gap holds
-    through, a lone reading without it forgiven where the two before it hold it again.
-    A clean pair on a crowded host drifts as far as a fault now and then: onsets err late."""
+    """Per row (readings newest first, ``have``: present and counted): how many of the
+    newest readings the gap holds through. A reading without it is forgiven while the
+    one before it holds it and misses stay at most a third of the run; two misses in a
+    row end it. A clean pair on a crowded host drifts as far as a fault now and then:
+    onsets err late, but not by the misses of a gap that holds (docs/detectors.md)."""
     out = np.ones(keep.shape[0], dtype=np.int64)
     for i in range(keep.shape[0]):
-        missed, since = False, 0  # a miss seen, and the readings kept since
+        seen, misses, last_missed = 0, 0, False
         for j in np.flatnonzero(have[i]):
+            seen += 1
             if not keep[i, j]:
-                if missed and since < 2:
+                if last_missed:
                     break
-                missed, since = True, 0
+                misses, last_missed = misses + 1, True
                 continue
-            since += 1
-            if not missed or since >= 2:
-                out[i], missed = j + 1, False
+            last_missed = False
+            if 3 * misses <= seen:
+                out[i] = j + 1
     return out
 
 

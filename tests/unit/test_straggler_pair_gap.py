@@ -97,6 +97,22 @@ def test_a_clean_drift_before_the_fault_does_not_pull_its_onset_early():
     assert early <= 2
 
 
+def test_a_gap_that_straddles_the_floor_keeps_its_onset():
+    # a 1.24x gap (noise 5 % a rank) reads over the 1.2x floor one step, under it the
+    # next: a pp replica of f40 was named at 33 with its onset at 32, so the report
+    # gate's 12 steps for a mild slowdown ran past the trace (onsets at 20-22 in 3 of
+    # these 20 runs before)
+    onsets = []
+    for seed in range(20):
+        outs, _ = run(S, frames(np.random.default_rng(seed), slow=1.12, faster=0.9, jitter=0.05,
+                                steps=40))  # fmt: skip
+        got = named(outs)
+        assert got and {s.ranks for _, s in got} == {(1,)}, seed
+        onsets.append(got[0][1].evidence["onset_step"])
+    assert min(onsets) >= 20
+    assert sum(o <= 22 for o in onsets) >= 12, onsets
+
+
 def test_a_gap_nobody_waited_for_is_not_named():
     outs, _ = run(S, frames(np.random.default_rng(5), waits=False))
     assert not named(outs)
