@@ -376,7 +376,7 @@ def _print(results: list[dict], args) -> None:
 
 
 def _workloads(text: str) -> list[str]:
-    if text == "none":  # only the DDP vs FSDP2 wrapper table
+    if text == "none":  # only the wrapper table
         return []
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -401,7 +401,8 @@ def main() -> int:
         help="identical models per arm kind (>= 2 prints the plain-vs-plain noise floor)",
     )
     ap.add_argument("--wrapper-steps", type=int, default=60, help="LM steps per arm of the "
-                    "DDP vs FSDP2 self-time table (bench/overhead_fsdp2.py); 0 skips it")
+                    "DDP / FSDP2 / manual all-reduce self-time table (bench/overhead_wrappers.py); "
+                    "0 skips it")
     ap.add_argument(
         "--digest",
         choices=("auto", "inline", "worker"),
@@ -425,7 +426,7 @@ def main() -> int:
                 p.join()
         _print(results, args)
     if args.wrapper_steps:
-        from overhead_fsdp2 import run_wrappers
+        from overhead_wrappers import run_wrappers
 
         run_wrappers(args.wrapper_steps, ctx, WORLD)
     return 0

@@ -37,11 +37,14 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     clip: float | None = None  # the loop clips gradients to this L2 norm (every arm)
 
-    def step(self, model, opt, x, y, rc=None) -> None:
-        """One training step as the benches' loops run it (``rc`` gets the loss)."""
+    def step(self, model, opt, x, y, rc=None, after_backward=None) -> None:
+        """One training step as the benches' loops run it (``rc`` gets the loss;
+        ``after_backward(model)``: a loop's own gradient reduction)."""
         opt.zero_grad(set_to_none=True)
         loss = self.loss(model(x), y)
         loss.backward()
+        if after_backward is not None:
+            after_backward(model)
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         if rc is not None:

@@ -1,11 +1,14 @@
-"""The collector's own training-thread time under FSDP2, side by side with DDP.
+"""The collector's own training-thread time by wrapper: DDP, FSDP2, and none.
 
 Same LM workload and 2 gloo ranks as ``bench_collector_overhead.py``; per
 wrapper, a plain block (no collector) and a collected block run alternately
 on two identical models, and the collector's self-timing (``rc.self_time``)
-is divided by the collected steps. FSDP2's local gradient norm is taken from
-its reduce-scatter input and counted apart (``grad_norm_s``, the
-measurement itself), as for DDP's buckets. Prints figures, asserts nothing.
+is divided by the collected steps. The local gradient norm is counted apart
+(``grad_norm_s``, the measurement itself): DDP's from its buckets, FSDP2's
+from its reduce-scatter input, and a plain module's (``manual``: the loop
+all-reduces each ``.grad`` itself, as PyTorch's distributed tutorial does)
+from each all-reduce input (collectors/rank/manual_reduce.py). Prints
+figures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ import torch.distributed as dist
 from overhead_sinks import NullSink
 from overhead_workloads import WORKLOADS
 from rankscope.collectors import RankCollector
+from torch.distributed import distributed_c10d
+
+WRAPPERS = ("ddp", "fsdp2", "manual")
 
 
 def _wrap(kind: str, model):
+    if kind == "manual":
+        return model  # the step averages the gradients itself (_averaging)
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
@@ -33,11 +41,27 @@ def _wrap(kind: str, model):
     return fully_shard(model, mesh=mesh)
 
 
-def _steps(model, opt, work, x, y, n: int, rc) -> list[float]:
+def _averaging(collected: bool):
+    """The tutorial's loop: one all-reduce per gradient, then divide by the world. The
+    collected arm calls ``dist.all_reduce`` as a loop does (the collector wrapped it at
+    attach); the plain arm the unwrapped function, so it pays nothing of the other's."""
+
+    def average(model) -> None:
+        reduce = dist.all_reduce if collected else distributed_c10d.all_reduce
+        world = dist.get_world_size()
+        for p in model.parameters():
+            if p.grad is not None:
+                reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad /= world
+
+    return average
+
+
+def _steps(model, opt, work, x, y, n: int, rc, reduce=None) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        work.step(model, opt, x, y, rc)
+        work.step(model, opt, x, y, rc, after_backward=reduce)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -54,12 +78,14 @@ def measure(kind: str, rank: int, steps: int, block: int = 4) -> dict:
         rc = None
         if arm == "collected":
             rc = RankCollector.attach(model, opt, job=f"bench-{kind}", sink=NullSink())
-        _steps(model, opt, work, x, y, 3, rc)  # warm-up
-        arms[arm] = {"model": model, "opt": opt, "rc": rc, "t": []}
+        reduce = _averaging(rc is not None) if kind == "manual" else None
+        _steps(model, opt, work, x, y, 3, rc, reduce)  # warm-up
+        arms[arm] = {"model": model, "opt": opt, "rc": rc, "t": [], "reduce": reduce}
     start = arms["collected"]["rc"].self_time
     for _ in range(max(1, steps // block)):
         for arm in arms.values():
-            arm["t"] += _steps(arm["model"], arm["opt"], work, x, y, block, arm["rc"])
+            arm["t"] += _steps(arm["model"], arm["opt"], work, x, y, block, arm["rc"],
+                               arm["reduce"])  # fmt: skip
     rc = arms["collected"]["rc"]
     own = rc.self_time.minus(start)
     rc.close()
@@ -94,7 +120,7 @@ def _wrapper_worker(rank: int, tmp: str, steps: int, world: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv-w", rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        out.put([dict(measure(kind, rank, steps), rank=rank) for kind in ("ddp", "fsdp2")])
+        out.put([dict(measure(kind, rank, steps), rank=rank) for kind in WRAPPERS])
     finally:
         dist.destroy_process_group()
 
