@@ -86,6 +86,7 @@ class ClipPatch:
             try:
                 if float(norm_type) == 2.0 and self._is_model(parameters):
                     state.clip_norm = total.detach() if isinstance(total, torch.Tensor) else total
+                    state.clip_taps = state.tapped_reductions
             except Exception as exc:
                 log.debug("clip_grad_norm_ bookkeeping failed: %s", exc)
             return total

@@ -38,6 +38,13 @@ def fallback_grad_stats(
     tapped = st.tapped_reductions > 0  # the local norm was read before the reductions
     if fsdp or reduced or tapped:
         if (reduced or tapped) and not st.reduced_sq:
+            if (tapped and not (fsdp or dtensor) and st.clip_norm is not None
+                    and st.clip_taps == st.tapped_reductions):  # fmt: skip
+                # a loop reducing its own gradients clipped after its last reduction:
+                # that norm is the reduced one (before clipping, as with DDP's buckets)
+                st.reduced_sq.append(st.clip_norm)
+                st.reduced_scaled = False
+                return True
             grads = _local_grads(params)
             if grads:
                 st.reduced_sq.append(grads_norm_stats(grads)[0])

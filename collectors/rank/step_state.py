@@ -69,6 +69,7 @@ class StepState:
     collectives: list[dict] = field(default_factory=list)
     loss: Any = None
     clip_norm: Any = None  # this step's norm from the loop's clip_grad_norm_ (clip_patch.py)
+    clip_taps: int = -1  # tapped_reductions when the loop clipped (after them all: reduced)
     clip_seen: bool = False  # the previous step clipped: skip the reduced-norm pass
     # gradient accumulation WITHOUT no_sync: DDP reduces every micro-step, and a later
     # round's bucket holds the earlier rounds' reduced sums (ddp_hook.py)
@@ -136,4 +137,5 @@ class StepState:
         self.bucket_rounds = {}
         self.reduced_by_bucket = {}
         self.clip_norm = None
+        self.clip_taps = -1
         self.tokens = None

@@ -32,12 +32,13 @@ def test_each_gradient_counted_once_before_its_reduction_and_grad_then_read_as_r
     tap((params[0].grad,), {"group": None}, None)  # reduced twice: counted once
     tap((), {"tensor": params[1].grad}, None)
     assert st.tapped_reductions == len(params) and not faults.counts
-    assert math.isclose(math.sqrt(sum(float(n) ** 2 for n in st.local_sq)), local, rel_tol=1e-6)
+    # backward is over: the first reduction read every gradient in one pass
+    assert len(st.local_sq) == 1 and math.isclose(float(st.local_sq[0]), local, rel_tol=1e-6)
     assert sum(st.nonfinite) == 0
     st.phase = "optimizer"
     assert fallback_grad_stats(st, params, fsdp=False, dtensor=False)
     assert math.isclose(float(st.reduced_sq[0]), local / 4.0, rel_tol=1e-6)  # not local again
-    assert len(st.local_sq) == len(params)
+    assert len(st.local_sq) == 1
 
 
 def test_nan_in_a_local_gradient_is_counted_and_the_map_follows_new_gradients():
@@ -59,7 +60,7 @@ def test_nan_in_a_local_gradient_is_counted_and_the_map_follows_new_gradients():
     st.phase = "backward"
     for p in params:
         tap((p.grad,), {}, None)
-    assert st.tapped_reductions == len(params) and len(st.local_sq) == len(params)
+    assert st.tapped_reductions == len(params) and len(st.local_sq) == 1
 
 
 def test_a_flat_copy_of_every_gradient_is_the_local_gradient():
@@ -73,3 +74,62 @@ def test_a_flat_copy_of_every_gradient_is_the_local_gradient():
     tap((params[0].grad,), {}, None)  # all counted already
     tap((flat.clone(),), {}, None)
     assert st.tapped_reductions == 1 and math.isclose(float(st.local_sq[0]), local, rel_tol=1e-6)
+
+
+def test_a_clip_after_the_reductions_is_the_reduced_norm_and_one_before_them_is_not():
+    # the loop clipped its averaged gradients: that norm (before clipping, as with DDP)
+    # is grad_norm_reduced, and no second pass over .grad is taken; a clip of local
+    # gradients before their reduction is not the reduced norm
+    for clip_after, reused in ((4, True), (2, False)):  # the model has 4 gradients
+        model, params = _model_after_backward()
+        st = StepState()
+        st.phase = "backward"
+        tap = GradAllReduceTap(st, params, Faults())
+        for i, p in enumerate(params):
+            tap((p.grad,), {}, None)
+            if i + 1 == clip_after:  # what clip_patch.py records
+                st.clip_norm, st.clip_taps = torch.tensor(7.5), st.tapped_reductions
+        st.phase = "optimizer"
+        assert fallback_grad_stats(st, params, fsdp=False, dtensor=False)
+        got = float(st.reduced_sq[0])
+        grads = math.sqrt(sum(float(p.grad.square().sum()) for p in params))
+        assert math.isclose(got, 7.5 if reused else grads, rel_tol=1e-6), clip_after
+
+
+def test_many_gradients_norm_in_one_pass_and_a_flipped_exponent_still_shows():
+    from rankscope.collectors.rank.grad_stats import grads_norm_stats
+
+    torch.manual_seed(1)
+    grads = [torch.randn(n) for n in (3, 300, 7)]
+    want = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    assert math.isclose(grads_norm_stats(grads)[0], want, rel_tol=1e-6)
+    grads[1][5] = 3e30  # squared, past float32's range: the float64 pass takes over
+    total, nonfinite = grads_norm_stats(grads)
+    assert math.isclose(total, 3e30, rel_tol=1e-6) and nonfinite == 0
+    grads[2][0] = float("nan")
+    total, nonfinite = grads_norm_stats(grads)
+    assert math.isnan(total) and nonfinite == 1
+
+
+def test_gradients_reduced_from_inside_backward_are_each_read_alone():
+    # a loop that overlaps its reductions with backward (a hook per gradient): at the
+    # first one the others are not computed yet, so no pass over them all
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    st = StepState()
+    st.phase = "backward"
+    tap = GradAllReduceTap(st, params, Faults())
+    seen = []
+
+    def reduce_now(p):
+        seen.append(float(p.grad.square().sum()))
+        tap((p.grad,), {}, None)
+        p.grad.mul_(0.5)  # the reduction changes it in place
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(reduce_now)
+    model(torch.randn(5, 4)).square().sum().backward()
+    assert st.tapped_reductions == len(params) and len(st.local_sq) == len(params)
+    got = math.sqrt(sum(float(n) ** 2 for n in st.local_sq))
+    assert math.isclose(got, math.sqrt(sum(seen)), rel_tol=1e-6)
