@@ -31,6 +31,13 @@ from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["GradAllReduceTap"]
 
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside autograd's run
+
+
+def _backward_over() -> bool:
+    """Whether this call is outside a backward pass (unknown where torch cannot say)."""
+    return _TASK_ID is not None and _TASK_ID() < 0
+
 
 class GradAllReduceTap:
     """``dist_wrap`` tap for ``all_reduce``: the local norm of each gradient the loop
@@ -64,7 +71,7 @@ class GradAllReduceTap:
                 self._done.add(idx)
                 self._state.tapped_reductions += 1
                 return
-            elif not self._done and torch._C._current_graph_task_id() < 0:
+            elif not self._done and _backward_over():
                 # backward is over, so every gradient is still this rank's own: one pass
                 # over them all (28 calls of a small LM's cost 5x more on a crowded host)
                 self._done.add(idx)
