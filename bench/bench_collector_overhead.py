@@ -77,7 +77,8 @@ ARMS = ("plain", "hook", "no-digest", "collector")
 # the LM's steps are ~20x longer: only the two arms the verdict needs, more rounds
 ARMS_OF = {"mlp": ARMS, "lm": ("plain", "collector")}
 # the collector's self-timed parts (collectors/rank/self_time.py), per step
-SELF_PARTS = ("overhead_s", "hooks_s", "comm_hook_s", "digest_s", "grad_norm_s", "launch_s")
+SELF_PARTS = ("overhead_s", "hooks_s", "comm_hook_s", "digest_s", "collectives_s", "grad_norm_s",
+              "launch_s")  # fmt: skip
 
 
 def _time_us(fn, repeat: int = 200) -> float:
@@ -328,7 +329,8 @@ def _print_workload(name: str, rank: int, w: dict) -> None:
         f"{own['overhead_s']:.0f} us = hooks {own['hooks_s']:.0f} + comm hook "
         f"{own['comm_hook_s']:.0f} (bucket scaling, bookkeeping) + digest "
         f"{own['digest_s']:.0f} (taken over from the worker on "
-        f"{w['digest_taken_over']:.0%} of steps, waited for on {w['digest_waited']:.0%}); "
+        f"{w['digest_taken_over']:.0%} of steps, waited for on {w['digest_waited']:.0%}) + "
+        f"the loop's own collectives {own['collectives_s']:.0f}; "
         f"apart: local grad-norm pass {own['grad_norm_s']:.0f} us, all-reduce launch "
         f"{own['launch_s']:.0f} us (plain DDP launches it too)"
     )

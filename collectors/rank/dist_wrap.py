@@ -143,8 +143,10 @@ class DistPatch:
         timing: Any = None,
         ddp: tuple[Any, str] | None = None,
         foreign_hook_group: Any = None,
+        self_time: Any = None,
     ) -> None:
         self._state = state
+        self._self_time = self_time  # SelfTime: the wrappers' bookkeeping, collectives_s
         # DDP's process group where a hook of the user's own (registered before attach)
         # reduces the gradients: its async all-reduces are timed to their completion
         self._foreign = foreign_hook_group
@@ -216,7 +218,7 @@ class DistPatch:
             params = []
         group_pos = params.index("group") if "group" in params else None
         async_pos = params.index("async_op") if "async_op" in params else None
-        state, busy = self._state, self._busy
+        state, busy, own = self._state, self._busy, self._self_time
         tap = self._taps.get(name)
 
         @functools.wraps(orig)
@@ -228,6 +230,8 @@ class DistPatch:
                 or _compiling()
             ):
                 return orig(*args, **kwargs)
+            t_in = time.perf_counter()
+            norm0 = own.grad_norm_s if own is not None else 0.0  # a tap's norm pass: apart
             entry = prev_phase = mark = None
             on_training = threading.get_ident() == self._training_thread
             is_async = False
@@ -260,8 +264,9 @@ class DistPatch:
                 return result
             finally:
                 busy.on = False
+                t1 = time.perf_counter()
                 try:
-                    dt = time.perf_counter() - t0
+                    dt = t1 - t0
                     if entry is not None:
                         state.finish_collective(entry, dt)
                         if prev_phase is not None:
@@ -275,6 +280,9 @@ class DistPatch:
                             self._watch_foreign(result, entry, group, t0, dt)
                 except Exception as exc:
                     self._fault(name, exc)
+                if own is not None and on_training:
+                    norm = own.grad_norm_s - norm0
+                    own.collectives_s += (t0 - t_in) - norm + (time.perf_counter() - t1)
 
         wrapper.__rankscope_wrapped__ = True
         return wrapper

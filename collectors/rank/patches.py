@@ -71,7 +71,8 @@ def build_patches(
 
         foreign = getattr(ddp[0], "process_group", None) or dist.group.WORLD
     dist_patch = DistPatch(st, label, me, taps=taps, faults=faults, works=out.works,
-                           timing=timing, ddp=ddp, foreign_hook_group=foreign)  # fmt: skip
+                           timing=timing, ddp=ddp, foreign_hook_group=foreign,
+                           self_time=rc._self_time)  # fmt: skip
     out.all += [out.works, dist_patch]
     # DTensor calls functional collectives, and so do loops of plain tensors (a
     # mixture of experts' all_to_all_single_autograd): wrapped whatever the model

@@ -41,11 +41,16 @@ class SelfTime:
     digest_s: float = 0.0
     """The parameter digest on the training thread: computed inline, taken over
     from the worker, or waited for."""
+    collectives_s: float = 0.0
+    """The wrappers of the loop's own ``torch.distributed`` calls (``dist_wrap.py``):
+    recording each call, and a tap's bookkeeping beside its norm pass. A loop that
+    makes many calls (FSDP2's per-layer gathers, one all-reduce per gradient) pays
+    this per call."""
 
     @property
     def overhead_s(self) -> float:
         """The collector's own cost: everything but the norm pass and the launch."""
-        return self.hooks_s + self.comm_hook_s + self.digest_s
+        return self.hooks_s + self.comm_hook_s + self.digest_s + self.collectives_s
 
     def copy(self) -> SelfTime:
         return dataclasses.replace(self)
