@@ -31,7 +31,14 @@ A straggler is a sleep of ``factor - 1`` times the rank's clean compute
 (``--straggler sleep``, the default, as every corpus before) or held at its
 factor over its peers' compute (``--straggler held``, ``fa_held.py``): on a
 crowded host a sleep is partly given back, so the scores also list straggler
-runs by the slowdown they measured.
+runs by the slowdown they measured. Where every rank has a core of its own
+(``--world 2`` here), the plan adds a noisy neighbour (``fa_neighbour.py``): a
+busy process that starts sharing the faulty rank's core, scored as a
+straggler; its runs need enough steps for the wait to become the rank's usual
+(``--steps 200``)::
+
+    python bench/bench_false_alarms.py --record out/nb --faults --fault-tags neighbour1.5 \
+        --world 2 --steps 200
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ DP_ONLY = ("nanogpt", "nanogpt_master", "tutorial", "amp", "varlen", "manual")  
 
 def fault_plan(steps: int, hold: bool = False, world: int = 4) -> list[tuple[str, dict]]:
     """One of each fault kind, on rank 1..3 in turn (rank 1 in a 2-rank job), from the
-    middle of the run;
+    middle of the run; a noisy neighbour only where every rank has a core of its own;
     stragglers held at their factor over their peers (``fa_held.py``) or, with
     ``hold`` False, a fixed sleep that a crowded host partly gives back."""
     at = steps // 2
@@ -68,6 +75,8 @@ def fault_plan(steps: int, hold: bool = False, world: int = 4) -> list[tuple[str
         {"kind": "nonfinite"},
         {"kind": "network", "delay_s": 0.02},
     ]
+    if world <= len(os.sched_getaffinity(0)):  # a core per rank (fa_neighbour.py)
+        kinds.append({"kind": "neighbour", "factor": 1.5})
     out = []
     for i, f in enumerate(kinds):
         tag = f["kind"] + str(f.get("factor", f.get("delay_s", "")))
@@ -89,7 +98,9 @@ def plan(corpus: Path, clean: int, faults: bool, steps: int, styles: tuple[str, 
     if faults:
         for style in styles:
             for tag, f in fault_plan(steps, hold, world):
-                if f["kind"] not in LOOPS[style].faults or (tags and tag not in tags):
+                host_level = f["kind"] == "neighbour"  # any loop: its host's, not its own
+                if (f["kind"] not in LOOPS[style].faults and not host_level) or (
+                        tags and tag not in tags):  # fmt: skip
                     continue
                 runs.append({"name": f"fault-{tag}-{style}-{idx:04d}", "style": style,
                              "seed": idx, "steps": steps, "fault": f})  # fmt: skip
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.record and not (a.clean or a.faults):
         ap.error("--record needs --clean N and/or --faults")
     tags = tuple(t for t in a.fault_tags.split(",") if t)
-    known_tags = [t for t, _ in fault_plan(a.steps)]
+    known_tags = [t for t, _ in fault_plan(a.steps, world=a.world)]
     if [t for t in tags if t not in known_tags]:
         ap.error(f"--fault-tags: known: {', '.join(known_tags)}")
     if not (a.record or a.score):

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fa_held import Board, HeldSleep
+from fa_neighbour import install_neighbour
 
 __all__ = ["install_fault", "comm_hook_for", "label"]
 
 KINDS = {"straggler": "straggler", "sdc-param": "sdc", "nonfinite": "nonfinite",
-         "network": "network"}  # fmt: skip
+         "network": "network", "neighbour": "straggler"}  # fmt: skip
 
 
 class StepClock:
@@ -186,13 +187,16 @@ def _slow_collective(fault: dict, clock: StepClock, name: str):
 
 
 def install_fault(fault: dict | None, rank: int, loop, clock: StepClock,
-                  board: Board | None = None, key: int = 0):  # fmt: skip
+                  board: Board | None = None, key: int = 0, world: int = 4):  # fmt: skip
     """Install ``fault`` on ``loop`` when it is this rank's (after ``loop.wrap()``,
     before ``RankCollector.attach``); returns what undoes it (after ``close``).
     ``board``: the run's compute board (``fa_held.py``) when it holds a straggler;
-    every rank posts to it, ``key`` its peer group's."""
+    every rank posts to it, ``key`` its peer group's. A noisy neighbour pins every
+    rank to its own core (``fa_neighbour.py``)."""
     if board is not None:
         _post_compute(loop.opt, clock, board, key)
+    if fault is not None and fault["kind"] == "neighbour":
+        return install_neighbour(fault, rank, world, loop.model, clock)
     if fault is None or fault["rank"] != rank:
         return lambda: None
     kind = fault["kind"]

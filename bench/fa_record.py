@@ -43,7 +43,8 @@ def _worker(rank: int, world: int, init: str, runs: list[dict], out: str) -> Non
             board = None
             if fault and fault.get("hold"):  # every rank posts its compute (fa_held.py)
                 board = Board(os.path.join(share, f"board-{run['name']}"), world, rank)
-            undo = install_fault(fault, rank, loop, clock, board, peer_key(loop.topology, rank))
+            undo = install_fault(fault, rank, loop, clock, board, peer_key(loop.topology, rank),
+                                 world)  # fmt: skip
             folder = Path(out) / run["name"]
             rc = RankCollector.attach(
                 module, loop.opt, job=run["name"], sink=f"file://{folder}", host=HOST,
