@@ -100,6 +100,17 @@ def test_a_host_that_starves_a_rank_for_good_gets_it_named():
     assert 40 < first < 400  # a 40-step spell is not (above)
     assert {r for out in outs for s in out.signals for r in s.ranks} == {3}
     assert state.usual_wait.usual([3])[0] > 1.5 * state.usual_wait.usual([0])[0]
+    # since when: the step its wait rose, not the step the judged gap first showed
+    onsets = [s.evidence.get("onset_step") for out in outs for s in out.signals]
+    assert [o for o in onsets if o is not None and o != 20] == [] and 20 in onsets
+    assert state.usual_wait.rise(3)[0] == 20 and state.usual_wait.rise(0) is None
+
+
+def test_a_rank_slow_in_its_own_work_keeps_its_onset():
+    outs, state = run_detector(straggler, _frames(sleep=True, slow_from=30))
+    sigs = [s for out in outs for s in out.signals]
+    assert sigs and all(s.evidence.get("onset_step", 30) >= 30 for s in sigs)
+    assert not [s for s in sigs if "wait_rose_step" in s.evidence]
 
 
 def test_the_usual_wait_survives_a_restore():
@@ -109,5 +120,7 @@ def test_the_usual_wait_survives_a_restore():
     copy.load_state_dict(state.state_dict())
     assert np.array_equal(copy.usual_wait.share, state.usual_wait.share, equal_nan=True)
     assert np.array_equal(copy.usual_wait.seen, state.usual_wait.seen)
+    assert copy.usual_wait.rise(3) == state.usual_wait.rise(3) is not None  # from step 20
+    assert np.array_equal(copy.usual_wait.run, state.usual_wait.run)
     assert copy.usual_wait.usual([0, 3, 9]).tolist()[:2] == state.usual_wait.usual([0, 3]).tolist()
     assert np.isnan(copy.usual_wait.usual([9])[0])  # a rank never seen
