@@ -100,6 +100,8 @@ def measure(kind: str, rank: int, steps: int, block: int = 4) -> dict:
         "own_us": own.overhead_s / n * 1e6,
         "grad_norm_us": own.grad_norm_s / n * 1e6,
         "coll_us": own.collectives_s / n * 1e6,
+        "digest_us": own.digest_s / n * 1e6,
+        "hooks_us": (own.hooks_s + own.comm_hook_s) / n * 1e6,
         "own_pct": 100 * own.overhead_s / n / step_plain,
         "faults": rc.faults,
     }
@@ -108,12 +110,12 @@ def measure(kind: str, rank: int, steps: int, block: int = 4) -> dict:
 def print_figures(rows: list[dict]) -> None:
     print("\n[lm] collector self-time by wrapper (2 gloo ranks, plain/collected blocks alternate)")
     print("wrapper rank  steps  plain step ms  collected step ms  ratio  own us/step  "
-          "own % of step  (collectives us)  grad-norm us/step")  # fmt: skip
+          "own % of step  (collectives  digest  hooks us)  grad-norm us/step")  # fmt: skip
     for r in rows:
         print(f"{r['kind']:7s} {r['rank']:4d} {r['steps']:6d} {r['step_plain_ms']:14.2f} "
               f"{r['step_collected_ms']:18.2f} {r['step_collected_ms'] / r['step_plain_ms']:6.3f} "
-              f"{r['own_us']:12.0f} {r['own_pct']:14.2f} {r['coll_us']:17.0f} "
-              f"{r['grad_norm_us']:18.0f}"
+              f"{r['own_us']:12.0f} {r['own_pct']:14.2f} {r['coll_us']:14.0f} "
+              f"{r['digest_us']:7.0f} {r['hooks_us']:6.0f} {r['grad_norm_us']:18.0f}"
               + (f"  faults {r['faults']}" if r["faults"] else ""))  # fmt: skip
 
 

@@ -54,7 +54,11 @@ log = logging.getLogger("rankscope.collectors")
 # Set while the collector's DDP hook runs on this thread, so that the patched
 # torch.distributed functions know a call is the bucket's own reduction and
 # do not record it a second time.
-hook_context = threading.local()
+class _InHook(threading.local):
+    active = False  # a class default: no exception to catch on a thread that never set it
+
+
+hook_context = _InHook()
 
 
 class HookContext:

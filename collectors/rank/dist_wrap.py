@@ -85,6 +85,10 @@ _DDP_BUFFER_SYNC = "_distributed_broadcast_coalesced"
 _INPUT_KWARGS = ("tensor", "input", "input_tensor", "tensor_list", "tensors", "p2p_op_list")
 
 
+class _Busy(threading.local):
+    on = False  # inside the original call on this thread: nested calls pass through
+
+
 def _nbytes(obj: Any) -> int | None:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -159,7 +163,7 @@ class DistPatch:
         self._training_thread = training_thread
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[str, Callable] = {}
-        self._busy = threading.local()
+        self._busy = _Busy()
         self._active = False
         self._rebound: list = []  # by_name.rebind: modules that imported a function by name
 
@@ -220,20 +224,22 @@ class DistPatch:
         async_pos = params.index("async_op") if "async_op" in params else None
         state, busy, own = self._state, self._busy, self._self_time
         tap = self._taps.get(name)
+        training, timing, group_name_of = self._training_thread, self._timing, self._group_name
+        p2p = name in ("batch_isend_irecv", "isend", "irecv")  # asynchronous by nature
 
         @functools.wraps(orig)
         def wrapper(*args, **kwargs):
             if (
                 not self._active
-                or getattr(hook_context, "active", False)
-                or getattr(busy, "on", False)
+                or hook_context.active
+                or busy.on
                 or _compiling()
             ):
                 return orig(*args, **kwargs)
             t_in = time.perf_counter()
             norm0 = own.grad_norm_s if own is not None else 0.0  # a tap's norm pass: apart
             entry = prev_phase = mark = None
-            on_training = threading.get_ident() == self._training_thread
+            on_training = threading.get_ident() == training
             is_async = False
             try:
                 group = kwargs.get("group")
@@ -244,16 +250,16 @@ class DistPatch:
                 is_async = kwargs.get("async_op")
                 if is_async is None and async_pos is not None and len(args) > async_pos:
                     is_async = args[async_pos]
-                is_async = is_async or name in ("batch_isend_irecv", "isend", "irecv")
+                is_async = is_async or p2p
                 if tap is not None:
                     tap(args, kwargs, group)
                 nbytes = _call_bytes(args, kwargs)
-                group_name = label if label is not None else self._group_name(group)
+                group_name = label if label is not None else group_name_of(group)
                 entry = state.enter_collective(op, group_name, nbytes)
                 if on_training and not is_async:
                     prev_phase, state.phase = state.phase, "collective"
-                    if self._timing is not None:
-                        mark = self._timing.blocked_begin()
+                    if timing is not None:
+                        mark = timing.blocked_begin()
             except Exception as exc:
                 self._fault(name, exc)
             busy.on = True
@@ -273,7 +279,7 @@ class DistPatch:
                             state.comm_s += dt
                             state.phase = prev_phase
                         if mark is not None:
-                            self._timing.blocked_end(mark)
+                            timing.blocked_end(mark)
                         if is_async and on_training and self._works is not None:
                             self._works.watch(result, entry)
                         if is_async and self._foreign is not None and op == "allreduce":
