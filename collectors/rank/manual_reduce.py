@@ -55,10 +55,21 @@ class GradAllReduceTap:
         self._total = -1  # elements of every gradient together (-1: none yet)
         self._done: set[int] = set()  # parameters whose reduction was seen this step
         self._batched = False  # this step's first reduction read every gradient
+        # the gradients that batch read, not reduced yet: storage -> (parameter, size)
+        self._rest: dict[int, tuple[int, int]] = {}
+        self._rest_step = -1
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
         try:
             t = kwargs.get("tensor", args[0] if args else None)
+            if self._rest and self._rest_step == self._state.step and isinstance(t, torch.Tensor):
+                hit = self._rest.pop(t.data_ptr(), None)  # read with the others already
+                if hit is not None and hit[1] == t.numel():
+                    self._done.add(hit[0])
+                    self._state.tapped_reductions += 1
+                    return
+                if hit is not None:  # the storage's start, not the gradient: judged below
+                    self._rest[t.data_ptr()] = hit
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
                 return
             idx = self._param_of(t)
@@ -77,6 +88,9 @@ class GradAllReduceTap:
                 self._done.add(idx)
                 self._batched = True
                 grads = [self._params[i].grad for i in self._ptrs.values()]
+                self._rest = {ptr: (i, self._params[i].grad.numel())
+                              for ptr, i in self._ptrs.items() if i != idx}  # fmt: skip
+                self._rest_step = self._state.step
             else:  # reduced from inside backward (a hook per gradient): this one alone
                 self._done.add(idx)
                 grads = [t]

@@ -63,6 +63,26 @@ def test_nan_in_a_local_gradient_is_counted_and_the_map_follows_new_gradients():
     assert st.tapped_reductions == len(params) and len(st.local_sq) == 1
 
 
+def test_after_the_batched_read_only_whole_gradients_count_as_reduced():
+    """The gradients the first reduction read are each counted once, when their own
+    reduction comes; the first part of one (same storage, fewer elements) is not it."""
+    model, params = _model_after_backward()
+    st = StepState()
+    st.phase = "backward"
+    tap = GradAllReduceTap(st, params, Faults())
+    tap((params[0].grad,), {}, None)  # backward over: every gradient read here
+    tap((params[1].grad.view(-1)[:2],), {}, None)  # a slice from the gradient's start
+    assert st.tapped_reductions == 1
+    for p in params[1:]:
+        tap((p.grad,), {}, None)
+    tap((params[2].grad,), {}, None)  # twice: once
+    assert st.tapped_reductions == len(params) and len(st.local_sq) == 1
+    st.reset_for_next_step(0.0)  # a new step: read again, not taken as already read
+    st.phase = "backward"
+    tap((params[3].grad,), {}, None)
+    assert st.tapped_reductions == 1 and len(st.local_sq) == 1  # read in this step
+
+
 def test_a_flat_copy_of_every_gradient_is_the_local_gradient():
     model, params = _model_after_backward()
     st = StepState()
