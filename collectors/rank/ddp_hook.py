@@ -161,7 +161,7 @@ def make_ddp_hook(ctx: HookContext) -> Callable:
     """A DDP comm hook (``hook(state, bucket)``) that measures, then reduces via the user's hook."""
 
     def rankscope_comm_hook(state, bucket):  # no annotations: DDP inspects them
-        if not ctx.active:
+        if not ctx.active or ctx.state.dry_run:  # dry run: a pipeline's made-up gradients
             return _reduce(bucket)
         t_start = time.perf_counter()
         st = ctx.state

@@ -2,8 +2,9 @@
 
 AMP's scaler, ``torch.distributed``'s collectives (with the taps that read a
 gradient before its reduction: FSDP2's, FSDP1's, a plain loop's own all-reduce),
-``Work.wait``, DTensor's functional collectives and the loop's gradient
-clipping; each installs itself and restores torch at close (``uninstall``).
+``Work.wait``, DTensor's functional collectives, the loop's gradient clipping
+and a pipeline's metadata inference; each installs itself and restores torch at
+close (``uninstall``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rankscope.collectors.rank.fsdp import fsdp_taps
 from rankscope.collectors.rank.fsdp1 import fsdp1_taps
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
 from rankscope.collectors.rank.manual_reduce import GradAllReduceTap
+from rankscope.collectors.rank.pipeline_infer import PipelineInferencePatch
 from rankscope.collectors.rank.work_wait import WorkWaitPatch
 
 __all__ = ["Patches", "build_patches"]
@@ -79,4 +81,5 @@ def build_patches(
     out.funcol = FuncolPatch(st, label, me, faults, timing)
     out.all.append(out.funcol)
     out.all.append(ClipPatch(st, rc._params, me))
+    out.all.append(PipelineInferencePatch(st))  # its made-up gradients are not measured
     return out

@@ -77,6 +77,9 @@ class StepState:
     reduced_by_bucket: dict[int, Any] = field(default_factory=dict)  # bucket -> reduced norm
     accumulating: bool = False  # the previous step reduced some bucket more than once
     tokens: int | None = None  # token ids seen by forward this step (or reported)
+    # inside a pipeline schedule's metadata inference (pipeline_infer.py): a real forward
+    # and backward on made-up inputs whose gradients are thrown away, not measured
+    dry_run: bool = False
     last_coll: LastCollective | None = None
     seq: dict[str, int] = field(default_factory=dict)  # per group, never reset
     run_queue: RunQueueWait = field(default_factory=RunQueueWait)  # the training thread's
