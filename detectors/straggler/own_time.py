@@ -13,7 +13,9 @@ its host starves for good reads slow again (a noisy neighbour is named).
 Only when every rank that reports ``compute_s`` reports the wait too: a group
 mixing both would blame the ranks without it. The network detector keeps
 wall times. A signal judged so carries the wall ``compute_s``,
-``cpu_wait_s`` and the usual share in its evidence. Notes: docs/detectors.md.
+``cpu_wait_s`` and the usual share in its evidence; one named only after its
+wait became its usual is dated from the step the wait rose (``UsualWait.rise``).
+Notes: docs/detectors.md.
 """
 
 from __future__ import annotations
