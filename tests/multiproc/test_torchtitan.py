@@ -67,6 +67,10 @@ def test_pipeline_stages_record_and_replay_clean(tmp_path):
         assert (recs[0]["dp"], recs[0]["pp"]) == (rank % 2, rank // 2)
         ops = Counter(c["op"] for r in recs for c in r["collectives"])
         assert ops["send"] and ops["recv"], ops
+        # step 0's metadata inference (a backward on made-up labels, NaN loss) is not
+        # this rank's gradient: every step's local norm is finite
+        assert all(r.get("grad_norm") is not None and not r.get("nonfinite") for r in recs), [
+            (r["step"], r.get("grad_norm"), r.get("nonfinite")) for r in recs]
     assert replay_trace(trace).findings == []
 
 
