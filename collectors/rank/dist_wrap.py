@@ -251,7 +251,7 @@ class DistPatch:
                 if is_async is None and async_pos is not None and len(args) > async_pos:
                     is_async = args[async_pos]
                 is_async = is_async or p2p
-                if tap is not None:
+                if tap is not None and not state.dry_run:  # dry run: made-up gradients
                     tap(args, kwargs, group)
                 nbytes = _call_bytes(args, kwargs)
                 group_name = label if label is not None else group_name_of(group)

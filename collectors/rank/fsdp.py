@@ -132,8 +132,8 @@ class GradInputTap:
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
         pg = None if group is None else self._groups.get(group_key(group))
-        if pg is None or self._state.dry_run:
-            return  # not FSDP's gradient reduction, or of a pipeline's made-up gradients
+        if pg is None:
+            return  # a reduction that is not FSDP's gradient reduction
         try:
             name, pos = self._arg
             inp = kwargs.get(name)

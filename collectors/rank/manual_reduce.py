@@ -60,8 +60,6 @@ class GradAllReduceTap:
         self._rest_step = -1
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
-        if self._state.dry_run:  # a pipeline's made-up gradients (pipeline_infer.py)
-            return
         try:
             t = kwargs.get("tensor", args[0] if args else None)
             if self._rest and self._rest_step == self._state.step and isinstance(t, torch.Tensor):

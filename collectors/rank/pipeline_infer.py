@@ -11,9 +11,9 @@ is NaN) put 524,288 NaN elements and a NaN ``grad_norm`` into step 0 of every
 rank of its last stage.
 
 At attach the collector wraps ``_prepare_backward_infra`` on the stage classes
-that define it; while it runs, ``StepState.dry_run`` is set and the gradient
-taps and the DDP hook read nothing (the collectives are still recorded: they
-are real, on every rank alike). Restored at close where nobody wrapped it
+that define it; while it runs, ``StepState.dry_run`` is set: ``dist_wrap``
+calls no tap and the DDP hook reads nothing (the collectives are still
+recorded: they are real, on every rank alike). Restored at close where nobody wrapped it
 again; a torch without that method is left alone.
 """
 
