@@ -2,9 +2,9 @@
 
 AMP's scaler, ``torch.distributed``'s collectives (with the taps that read a
 gradient before its reduction: FSDP2's, FSDP1's, a plain loop's own all-reduce),
-``Work.wait``, DTensor's functional collectives, the loop's gradient clipping
-and a pipeline's metadata inference; each installs itself and restores torch at
-close (``uninstall``).
+``Work.wait``, DTensor's functional collectives, the loop's gradient clipping,
+a pipeline's metadata inference and ``torch.autograd.backward`` (the loss);
+each installs itself and restores torch at close (``uninstall``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rankscope.collectors.rank.dist_wrap import DistPatch, group_label
 from rankscope.collectors.rank.fsdp import fsdp_taps
 from rankscope.collectors.rank.fsdp1 import fsdp1_taps
 from rankscope.collectors.rank.funcol_wrap import FuncolPatch
+from rankscope.collectors.rank.loss_roots import BackwardRootPatch
 from rankscope.collectors.rank.manual_reduce import GradAllReduceTap
 from rankscope.collectors.rank.pipeline_infer import PipelineInferencePatch
 from rankscope.collectors.rank.work_wait import WorkWaitPatch
@@ -82,4 +83,5 @@ def build_patches(
     out.all.append(out.funcol)
     out.all.append(ClipPatch(st, rc._params, me))
     out.all.append(PipelineInferencePatch(st))  # its made-up gradients are not measured
+    out.all.append(BackwardRootPatch(st, me, faults))  # the loss, where rc.loss() is not called
     return out

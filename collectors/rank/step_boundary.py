@@ -2,7 +2,8 @@
 
 ``pending_record`` closes the step in progress: the times out of the step
 state, the norms as lists of lazy values (divided by the AMP loss scale where
-they were taken under it), the digest callable; ``build_step_record`` turns
+they were taken under it), the loss (``rc.loss()``'s, else the backward roots'),
+the digest callable; ``build_step_record`` turns
 it into a record on the sender thread.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from rankscope.collectors.rank.amp import Unscaled
 from rankscope.collectors.rank.faults import Faults
+from rankscope.collectors.rank.loss_roots import root_loss
 from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["Guarded", "count_tokens", "pending_record"]
@@ -49,7 +51,7 @@ def pending_record(st: StepState, *, digest: Any, lr: Any, skipped: bool) -> dic
         "reduced": reduced,
         "nonfinite": st.nonfinite,
         "collectives": st.collectives,
-        "loss": st.loss,
+        "loss": st.loss if st.loss is not None else root_loss(st.roots, scale),
         "digest": digest,
         "lr": lr,
         "tokens": st.tokens,

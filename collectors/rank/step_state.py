@@ -68,6 +68,7 @@ class StepState:
     nonfinite: list[Any] = field(default_factory=list)
     collectives: list[dict] = field(default_factory=list)
     loss: Any = None
+    roots: list[Any] = field(default_factory=list)  # scalar backward roots (loss_roots.py)
     clip_norm: Any = None  # this step's norm from the loop's clip_grad_norm_ (clip_patch.py)
     clip_taps: int = -1  # tapped_reductions when the loop clipped (after them all: reduced)
     clip_seen: bool = False  # the previous step clipped: skip the reduced-norm pass
@@ -134,6 +135,7 @@ class StepState:
         self.nonfinite = []
         self.collectives = []
         self.loss = None
+        self.roots = []
         self.clip_seen = self.clip_norm is not None
         if self.bucket_rounds:
             self.accumulating = max(self.bucket_rounds.values()) > 1

@@ -18,6 +18,20 @@ from support.loops import faults as faults_mod
 from support.loops.model import Opts
 
 
+class _LossUnreported:
+    """The collector as a loop that never calls ``rc.loss`` sees it (``Opts.report_loss``
+    False): the loss then comes from the loop's backward (``loss_roots.py``)."""
+
+    def __init__(self, rc) -> None:
+        self._rc = rc
+
+    def loss(self, value) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._rc, name)
+
+
 def _worker(rank, world, style, build_kw, opts, faults, rdzv, out, attach_kw):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -37,7 +51,7 @@ def _worker(rank, world, style, build_kw, opts, faults, rdzv, out, attach_kw):
             **attach_kw,
         )
         hooks.bind(rc)
-        mod.train(built, rc, rank, opts)
+        mod.train(built, rc if opts.report_loss else _LossUnreported(rc), rank, opts)
         rc.close()
         with open(Path(out) / f"rank{rank}.json", "w") as fh:
             json.dump({"faults": rc.faults, "injected": hooks.injected,

@@ -66,6 +66,7 @@ class Opts:
     clip: float | None = 1.0
     work_s: float = 0.02
     lr: float = 0.01
+    report_loss: bool = True  # False: the loop's rc.loss() calls do nothing (harness)
 
 
 def batch(rank: int, step: int, micro: int, opts: Opts) -> tuple[torch.Tensor, torch.Tensor]:
