@@ -27,12 +27,12 @@ Without arguments: one clean and one faulty run per fault kind of ``titan_fsdp``
 
 A straggler sleeps ``factor - 1`` times the style's median clean ``compute_s``
 (from the corpus's clean runs, recorded first) in each faulty step's first
-forward; a NaN poisons the rank's logits at one step (only under plain FSDP:
-under tensor parallelism loss parallel spreads it to the partner in the same
-forward, and under expert parallelism the backward's all-to-all carries it
-into the partner's experts, so both local gradients turn non-finite at once;
-torchtitan keeps its loss inside ``train_step``, so no record says whose
-forward went first, and the pair is all the telemetry can name).
+forward; a NaN poisons the rank's logits at one step (not under tensor
+parallelism: loss parallel spreads it to the partner in the same forward, so
+the pair is all the telemetry can name). Under expert parallelism the
+backward's all-to-all carries it into the partner's experts in the same step;
+the loss the collector reads from ``backward`` (torchtitan keeps it inside
+``train_step``) says whose forward went first.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ STYLES = {  # name: (module, config, parallelism arguments, faults)
     "titan_moe_ep": ("deepseek_v3", "deepseek_v3_debugmodel",
                      ["--parallelism.data_parallel_shard_degree", "4",
                       "--parallelism.expert_parallel_degree", "2",
-                      "--parallelism.spmd_backend", "full_dtensor"], ("straggler",)),
+                      "--parallelism.spmd_backend", "full_dtensor"], ("straggler", "nonfinite")),
 }  # fmt: skip
 WORDS = ("the model reads tokens from many sources while each rank trains on its own shard "
          "of text and gradients cross the mesh of devices at every step of the job").split()
