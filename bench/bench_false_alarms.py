@@ -58,7 +58,8 @@ from fa_record import next_index  # noqa: E402
 from fa_score import print_scores, score_corpus  # noqa: E402
 
 STYLES = tuple(LOOPS)
-DP_ONLY = ("nanogpt", "nanogpt_master", "tutorial", "amp", "varlen", "manual")  # run on 2 ranks too
+# the data-parallel styles: run on 2 ranks too
+DP_ONLY = ("nanogpt", "nanogpt_master", "tutorial", "amp", "varlen", "manual", "megatron")
 
 
 def fault_plan(steps: int, hold: bool = False, world: int = 4) -> list[tuple[str, dict]]:

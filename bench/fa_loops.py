@@ -10,7 +10,8 @@ seeds, bfloat16 on odd ones), ``GradScaler``, ``unscale_`` before clipping.
 The FSDP2 and tensor-parallel loops are in ``fa_sharded.py``, the pipelined one in
 ``fa_pipeline.py``, the Trainer-shaped one with variable-length batches in
 ``fa_varlen.py``, the mixture of experts in ``fa_moe.py``, the one that averages
-its gradients itself (no DDP) in ``fa_manual.py``.
+its gradients itself (no DDP) in ``fa_manual.py``, Megatron-LM's gradient buffer
+around the nanoGPT step in ``fa_megatron.py``.
 
 Every loop has ``wrap()`` (the module the collector attaches to; the
 optimizer is built after it), ``step(it, rc)``, ``faults`` (the fault kinds
@@ -31,6 +32,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from fa_manual import LOOPS as MANUAL
+from fa_megatron import megatron_loop
 from fa_moe import LOOPS as MOE
 from fa_pipeline import LOOPS as PIPELINE
 from fa_sharded import LOOPS as SHARDED
@@ -268,7 +270,8 @@ class NanoGPTMasterLoop(NanoGPTLoop):
 
 
 LOOPS = {"nanogpt": NanoGPTLoop, "nanogpt_master": NanoGPTMasterLoop, "tutorial": TutorialLoop,
-         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN, **MOE, **MANUAL}  # fmt: skip
+         **SHARDED, "amp": AMPLoop, **PIPELINE, **VARLEN, **MOE, **MANUAL,
+         "megatron": megatron_loop(NanoGPTLoop)}  # fmt: skip
 
 
 def build_loop(style: str, rank: int, world: int, seed: int, steps: int):

@@ -5,6 +5,7 @@
 * Plain module whose loop all-reduces each ``.grad`` itself: ``grad_norm`` came
   from the all-reduce inputs (``manual_reduce.py``); ``.grad`` now holds the
   reduced gradient. A loop reducing a flat copy: ``.grad`` is taken as local.
+  A parameter without ``.grad`` is read through Megatron-LM's ``main_grad``.
 * FSDP2 / HSDP: ``grad_norm`` came from the reduce-scatter inputs
   (``fsdp.py``); here ``.grad`` holds this rank's shard of the REDUCED
   gradient, whose norm is ``grad_norm_reduced`` (equal on HSDP replicas of one
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from rankscope.collectors.rank.dtensor import local
-from rankscope.collectors.rank.grad_stats import clip_norm_stats, grads_norm_stats
+from rankscope.collectors.rank.grad_stats import clip_norm_stats, grad_of, grads_norm_stats
 from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["fallback_grad_stats"]
@@ -53,7 +54,7 @@ def fallback_grad_stats(
         return False
     if st.local_sq:
         return False
-    grads = _local_grads(params) if dtensor else [p.grad for p in params if p.grad is not None]
+    grads = _local_grads(params) if dtensor else [g for g in map(grad_of, params) if g is not None]
     if not grads:
         return False
     if st.clip_norm is not None and not dtensor:  # the loop clipped: its norm is this one
@@ -67,4 +68,4 @@ def fallback_grad_stats(
 
 
 def _local_grads(params: list[torch.Tensor]) -> list[Any]:
-    return [local(p.grad) for p in params if p.grad is not None]
+    return [local(g) for g in map(grad_of, params) if g is not None]

@@ -11,7 +11,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["clip_norm_stats", "grads_norm_stats", "tensor_norm_stats"]
+__all__ = ["clip_norm_stats", "grad_of", "grads_norm_stats", "tensor_norm_stats"]
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient: ``.grad``, else Megatron-LM's ``main_grad`` (a view into
+    a flat buffer that a hook adds ``.grad`` into and then frees ``.grad``)."""
+    g = p.grad
+    if g is None:
+        g = getattr(p, "main_grad", None)
+        if not isinstance(g, torch.Tensor):
+            return None
+    return g
 
 
 def tensor_norm_stats(t: torch.Tensor) -> tuple[Any, Any]:

@@ -15,7 +15,11 @@ loop reducing from inside backward (a hook per gradient) has each read alone.
 A loop that first copies all its gradients into one flat buffer (apex's and
 older codebases' ``_flatten_dense_tensors``) is recognized by the size: a
 buffer holding exactly as many elements as every gradient together, reduced
-before any single gradient. Buckets of some gradients are not: ``grad_norm``
+before any single gradient. A bucket that is a slice of a flat buffer the
+gradients are views of (Megatron-LM's grad buffer and its ``main_grad``
+views, a hand-rolled bucket laid out the same way) is recognized by the
+storage: the gradients whose bytes lie inside the reduced slice are read as
+that one tensor. A bucket COPIED out of some gradients is not: ``grad_norm``
 is then ``.grad``'s, the reduced one.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 from rankscope.collectors.rank.faults import Faults
-from rankscope.collectors.rank.grad_stats import grads_norm_stats, tensor_norm_stats
+from rankscope.collectors.rank.grad_stats import grad_of, grads_norm_stats, tensor_norm_stats
 from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["GradAllReduceTap"]
@@ -58,6 +62,8 @@ class GradAllReduceTap:
         # the gradients that batch read, not reduced yet: storage -> (parameter, size)
         self._rest: dict[int, tuple[int, int]] = {}
         self._rest_step = -1
+        # gradient storage -> [(first byte, end byte, parameter)]; built on a miss
+        self._spans: dict[int, list[tuple[int, int, int]]] | None = None
 
     def __call__(self, args: tuple, kwargs: dict, group: Any) -> None:
         try:
@@ -73,7 +79,14 @@ class GradAllReduceTap:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
                 return
             idx = self._param_of(t)
-            if idx is None and not self._done and t.numel() == self._total:
+            covered = self._covered(t) if idx is None else None
+            if covered:  # a slice of the buffer the gradients are views of: a bucket
+                if covered <= self._done:  # read with the others already
+                    self._state.tapped_reductions += 1
+                    return
+                self._done.update(covered)
+                grads = [t]
+            elif idx is None and not self._done and t.numel() == self._total:
                 self._done.update(range(len(self._params)))  # a flat copy of them all
                 grads = [t]
             elif idx is None or idx in self._done:
@@ -87,8 +100,8 @@ class GradAllReduceTap:
                 # over them all (28 calls of a small LM's cost 5x more on a crowded host)
                 self._done.add(idx)
                 self._batched = True
-                grads = [self._params[i].grad for i in self._ptrs.values()]
-                self._rest = {ptr: (i, self._params[i].grad.numel())
+                grads = [grad_of(self._params[i]) for i in self._ptrs.values()]
+                self._rest = {ptr: (i, grad_of(self._params[i]).numel())
                               for ptr, i in self._ptrs.items() if i != idx}  # fmt: skip
                 self._rest_step = self._state.step
             else:  # reduced from inside backward (a hook per gradient): this one alone
@@ -124,15 +137,34 @@ class GradAllReduceTap:
         if idx is None and in_backward and len(self._ptrs) < len(self._params):
             self._build(in_backward)
             idx = self._ptrs.get(t.data_ptr())
-        if idx is None or self._params[idx].grad is None:
+        g = None if idx is None else grad_of(self._params[idx])
+        return idx if g is not None and g.numel() == t.numel() else None
+
+    def _covered(self, t: torch.Tensor) -> set[int] | None:
+        """The parameters whose gradients lie inside contiguous ``t``'s bytes of the
+        same storage (``t`` a bucket of a flat gradient buffer), if any."""
+        if not t.is_contiguous():
             return None
-        return idx if self._params[idx].grad.numel() == t.numel() else None
+        if self._spans is None:
+            self._spans = {}
+            for i in self._ptrs.values():
+                g = grad_of(self._params[i])
+                if g.is_contiguous():
+                    a = g.storage_offset() * g.element_size()
+                    span = (a, a + g.numel() * g.element_size(), i)
+                    self._spans.setdefault(g.untyped_storage().data_ptr(), []).append(span)
+        spans = self._spans.get(t.untyped_storage().data_ptr())
+        if not spans:
+            return None
+        a = t.storage_offset() * t.element_size()
+        b = a + t.numel() * t.element_size()
+        return {i for start, end, i in spans if a <= start and end <= b} or None
 
     def _build(self, in_backward: bool) -> None:
+        grads = ((i, grad_of(p)) for i, p in enumerate(self._params))
         self._ptrs = {
-            p.grad.data_ptr(): i
-            for i, p in enumerate(self._params)
-            if p.grad is not None and p.grad.layout == torch.strided
+            g.data_ptr(): i for i, g in grads if g is not None and g.layout == torch.strided
         }
+        self._spans = None
         self._key = (self._state.step, in_backward)
-        self._total = sum(self._params[i].grad.numel() for i in self._ptrs.values()) or -1
+        self._total = sum(grad_of(self._params[i]).numel() for i in self._ptrs.values()) or -1

@@ -155,6 +155,27 @@ def test_loop_that_all_reduces_its_own_gradients(tmp_path):
     _assert_located(_findings(tmp_path / "trace"), flip=True)
 
 
+def test_megatron_style_grad_buffer_of_main_grad_views(tmp_path):
+    """Megatron-LM's data parallel: ``main_grad`` views of one fp32 buffer, buckets of
+    it scaled and all-reduced from inside backward, ``.grad`` None until the loop points
+    it at ``main_grad`` for the optimizer. ``grad_norm`` is read from each bucket (a
+    slice of the buffer, matched by storage), ``grad_norm_reduced`` from ``main_grad``."""
+    world = 4
+    steps, info, found = run_until_seen("megatron_ddp", world, tmp_path, _slow_seen,
+                                        opts=Opts(steps=STEPS, accum=2), faults=FAULTS)  # fmt: skip
+    _assert_common(steps, info, world)
+    _assert_replicas(steps, world)
+    for s in CLEAN:
+        for r in range(world):
+            rec = steps[s][r]
+            assert rec["nonfinite"] == 0 and rec["grad_norm"] != rec["grad_norm_reduced"]
+            buckets = [c for c in rec["collectives"] if c["op"] == "allreduce"]
+            assert len(buckets) >= 3, rec["collectives"]  # the buffer's buckets
+    assert steps[NAN_STEP][NAN_RANK]["nonfinite"] > 0
+    assert all(steps[NAN_STEP][r]["nonfinite"] == 0 for r in range(world) if r != NAN_RANK)
+    _assert_located(found, flip=True)
+
+
 def _slow_seen(found) -> bool:
     """The straggler was found while it lasted (what _assert_located asks)."""
     return any(SLOW_FROM <= f[3] <= SLOW_UNTIL for f in _by_kind(found, "straggler"))

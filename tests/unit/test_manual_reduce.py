@@ -155,6 +155,38 @@ def test_gradients_reduced_from_inside_backward_are_each_read_alone():
     assert math.isclose(got, math.sqrt(sum(seen)), rel_tol=1e-6)
 
 
+def test_buckets_of_a_buffer_the_main_grads_are_views_of_are_read_by_storage():
+    """Megatron-LM: ``.grad`` freed into ``main_grad`` views of one buffer; each bucket,
+    a slice of it, read once; a bucket COPIED out of gradients is not one of them."""
+    model, params = _model_after_backward()
+    buf = torch.zeros(sum(p.numel() for p in params))
+    off = 0
+    for p in params:
+        p.main_grad = buf[off : off + p.numel()].view_as(p)
+        p.main_grad.copy_(p.grad)
+        p.grad = None
+        off += p.numel()
+    params[3].main_grad[0] = float("nan")
+    st, faults = StepState(), Faults()
+    st.phase = "backward"
+    tap = GradAllReduceTap(st, params, faults)
+    split = params[0].numel() + params[1].numel()
+    first, second = buf[:split], buf[split:]
+    tap((first.clone(),), {}, None)  # a copy: nobody's storage
+    assert st.tapped_reductions == 0 and not st.local_sq
+    tap((second,), {}, None)  # backward makes the last layers' gradients first
+    tap((first,), {}, None)
+    tap((second,), {}, None)  # again: counted as a reduction, not read twice
+    assert st.tapped_reductions == 3 and len(st.local_sq) == 2 and not faults.counts
+    assert math.isclose(float(st.local_sq[1]), float(first.norm()), rel_tol=1e-6)
+    assert [int(n) for n in st.nonfinite] == [1, 0]
+    buf.div_(4.0)
+    params[3].main_grad[0] = 0.0
+    st.phase = "optimizer"
+    assert fallback_grad_stats(st, params, fsdp=False, dtensor=False)  # through main_grad
+    assert math.isclose(float(st.reduced_sq[0]), float(buf.norm()), rel_tol=1e-6)
+
+
 def test_the_collective_wrappers_own_time_is_counted_and_the_norm_pass_apart(tmp_path):
     # self-timing left the wrappers of the loop's own collectives out: FSDP2's own time
     # read 70-90 us a step in the bench, 550 once counted (docs/collectors.md)
