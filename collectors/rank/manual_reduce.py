@@ -19,8 +19,12 @@ before any single gradient. A bucket that is a slice of a flat buffer the
 gradients are views of (Megatron-LM's grad buffer and its ``main_grad``
 views, a hand-rolled bucket laid out the same way) is recognized by the
 storage: the gradients whose bytes lie inside the reduced slice are read as
-that one tensor. A bucket COPIED out of some gradients is not: ``grad_norm``
-is then ``.grad``'s, the reduced one.
+that one tensor. A bucket COPIED out of some gradients (fairseq's legacy
+``all_reduce_and_rescale_tensors``) is recognized by the size, as the whole
+flat copy is: gradients not reduced yet, consecutive in parameter
+order or its reverse, as many elements as it, reduced after forward and
+before the optimizer step (a copy of one gradient from 64 elements). A copy
+in another order is not: ``grad_norm`` is then ``.grad``'s, the reduced one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rankscope.collectors.rank.step_state import StepState
 
 __all__ = ["GradAllReduceTap"]
 
+MIN_LONE_COPY = 64  # elements of a copy of ONE gradient taken for a bucket of it
 _TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside autograd's run
 
 
@@ -88,6 +93,12 @@ class GradAllReduceTap:
                 grads = [t]
             elif idx is None and not self._done and t.numel() == self._total:
                 self._done.update(range(len(self._params)))  # a flat copy of them all
+                grads = [t]
+            elif idx is None and (run := self._copied_run(t)):  # a copy of some of them
+                self._done.update(run)
+                if self._batched:  # read with the others at the first reduction
+                    self._state.tapped_reductions += 1
+                    return
                 grads = [t]
             elif idx is None or idx in self._done:
                 return
@@ -159,6 +170,28 @@ class GradAllReduceTap:
         a = t.storage_offset() * t.element_size()
         b = a + t.numel() * t.element_size()
         return {i for start, end, i in spans if a <= start and end <= b} or None
+
+    def _copied_run(self, t: torch.Tensor) -> set[int] | None:
+        """Gradients not reduced yet, consecutive in parameter order (or its reverse),
+        whose sizes add up to ``t``'s: a bucket the loop copied them into (fairseq's
+        legacy ``all_reduce_and_rescale_tensors`` fills one buffer in order). Only
+        between forward and the optimizer step, same dtype; one gradient alone only
+        from ``MIN_LONE_COPY`` elements (a loop's metrics are a few numbers)."""
+        if self._state.phase != "backward" or t.numel() < 2:
+            return None
+        pending = [i for i in sorted(self._ptrs.values()) if i not in self._done]
+        for order in (pending, pending[::-1]):
+            total = 0
+            for k, i in enumerate(order):
+                g = grad_of(self._params[i])
+                total += g.numel()
+                if g.dtype != t.dtype or total > t.numel():
+                    break
+                if total == t.numel():
+                    if k >= 1 or total >= MIN_LONE_COPY:
+                        return set(order[: k + 1])
+                    break
+        return None
 
     def _build(self, in_backward: bool) -> None:
         grads = ((i, grad_of(p)) for i, p in enumerate(self._params))

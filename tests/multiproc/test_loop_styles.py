@@ -176,6 +176,23 @@ def test_megatron_style_grad_buffer_of_main_grad_views(tmp_path):
     _assert_located(found, flip=True)
 
 
+def test_fairseq_legacy_gradients_copied_into_a_reused_buffer(tmp_path):
+    """fairseq's legacy ``all_reduce_and_rescale_tensors``: gradients copied in order
+    into one buffer, each filled part all-reduced and copied back. ``grad_norm`` is
+    read from each part (matched by size to the gradients copied into it)."""
+    world = 4
+    steps, info, found = run_until_seen("fairseq_legacy", world, tmp_path, _slow_seen,
+                                        opts=Opts(steps=STEPS), faults=FAULTS)  # fmt: skip
+    _assert_common(steps, info, world)
+    _assert_replicas(steps, world)
+    for s in CLEAN:
+        assert all(steps[s][r]["grad_norm"] != steps[s][r]["grad_norm_reduced"]
+                   for r in range(world))  # fmt: skip
+    assert steps[NAN_STEP][NAN_RANK]["nonfinite"] > 0
+    assert all(steps[NAN_STEP][r]["nonfinite"] == 0 for r in range(world) if r != NAN_RANK)
+    _assert_located(found, flip=True)
+
+
 def _slow_seen(found) -> bool:
     """The straggler was found while it lasted (what _assert_located asks)."""
     return any(SLOW_FROM <= f[3] <= SLOW_UNTIL for f in _by_kind(found, "straggler"))

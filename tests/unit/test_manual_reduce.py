@@ -25,7 +25,7 @@ def test_each_gradient_counted_once_before_its_reduction_and_grad_then_read_as_r
     tap = GradAllReduceTap(st, params, faults)
     local = math.sqrt(sum(float(p.grad.square().sum()) for p in params))
     tap((torch.ones(1),), {}, None)  # a metric the loop reduces: no gradient
-    tap((torch.cat([p.grad.view(-1) for p in params[:2]]),), {}, None)  # a bucket: unknown
+    tap((torch.cat([params[i].grad.view(-1) for i in (0, 2)]),), {}, None)  # not in order
     for p in params:
         tap((p.grad.data,), {}, None)
         p.grad.data /= 4.0  # what the loop does after SUM
@@ -172,7 +172,7 @@ def test_buckets_of_a_buffer_the_main_grads_are_views_of_are_read_by_storage():
     tap = GradAllReduceTap(st, params, faults)
     split = params[0].numel() + params[1].numel()
     first, second = buf[:split], buf[split:]
-    tap((first.clone(),), {}, None)  # a copy: nobody's storage
+    tap((buf[1:split].clone(),), {}, None)  # a copy of no gradients' run
     assert st.tapped_reductions == 0 and not st.local_sq
     tap((second,), {}, None)  # backward makes the last layers' gradients first
     tap((first,), {}, None)
@@ -185,6 +185,39 @@ def test_buckets_of_a_buffer_the_main_grads_are_views_of_are_read_by_storage():
     st.phase = "optimizer"
     assert fallback_grad_stats(st, params, fsdp=False, dtensor=False)  # through main_grad
     assert math.isclose(float(st.reduced_sq[0]), float(buf.norm()), rel_tol=1e-6)
+
+
+def test_gradients_copied_in_order_into_a_reused_buffer_are_read_from_each_bucket():
+    """fairseq's legacy ``all_reduce_and_rescale_tensors``: consecutive gradients copied
+    into one preallocated buffer, each filled part all-reduced, then copied back."""
+    model, params = _model_after_backward()  # sizes 12, 3, 6, 2
+    params[2].grad.view(-1)[0] = float("inf")
+    local = [p.grad.clone() for p in params]
+    st, faults = StepState(), Faults()
+    st.phase = "backward"
+    tap = GradAllReduceTap(st, params, faults)
+    buf = torch.zeros(16)
+    for bucket in ([0, 1], [2, 3]):
+        n = 0
+        for i in bucket:
+            k = params[i].grad.numel()
+            buf[n : n + k].copy_(params[i].grad.view(-1))
+            n += k
+        tap((buf[:n],), {}, None)
+        buf[:n].div_(4.0)  # the loop's rescale after SUM
+        n = 0
+        for i in bucket:
+            k = params[i].grad.numel()
+            params[i].grad.view(-1).copy_(buf[n : n + k])
+            n += k
+    assert st.tapped_reductions == 2 and not faults.counts
+    first = torch.cat([g.view(-1) for g in local[:2]]).norm()
+    assert math.isclose(float(st.local_sq[0]), float(first), rel_tol=1e-6)
+    assert [int(n) for n in st.nonfinite] == [0, 1]  # the inf is the second bucket's
+    st.reset_for_next_step(0.0)
+    st.phase = "optimizer"  # after backward, before the step only
+    tap((torch.ones(15),), {}, None)
+    assert st.tapped_reductions == 0
 
 
 def test_the_collective_wrappers_own_time_is_counted_and_the_norm_pass_apart(tmp_path):
