@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 
@@ -110,7 +109,6 @@ def test_other_threads_and_a_pipeline_dry_run_are_not_the_step():
     finally:
         patch.uninstall()
     assert torch.autograd.backward is patch._orig
-    assert not math.isnan(float(st.roots[0]))
 
 
 def test_a_partial_or_replicated_dtensor_root_is_its_local_value_a_sharded_one_is_not(tmp_path):
